@@ -1,0 +1,81 @@
+"""The ``gemel`` command: ``serve``, ``generate`` and the tools built on them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="GGUF file, HF directory or packaged model name")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one completion to the terminal as the engine produces it."""
+    from gemel.config import EngineConfig
+    from gemel.engine.llm_engine import LLMEngine
+    from gemel.sampling_params import SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=args.stop or [],
+        )
+        engine = LLMEngine(
+            EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+        )
+        request = [{"role": "user", "content": prompt}] if args.chat else prompt
+        engine.add_request("cli", request, params)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"gemel generate: {exc}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gemel", description="Self-hosted inference for open LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion for one prompt to the terminal")
+    gen.add_argument("prompt", nargs="?", help="prompt text (default: read standard input)")
+    _add_engine_arguments(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    try:
+        from gemel.api.server import add_serve_arguments, run_serve
+    except ImportError:  # the server's dependencies are part of the package; this guards partial installs
+        add_serve_arguments = run_serve = None
+    if add_serve_arguments is not None:
+        serve = sub.add_parser("serve", help="serve the Gemini and OpenAI APIs")
+        add_serve_arguments(serve)
+        serve.set_defaults(func=run_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The one typed configuration of gemel, loadable from YAML; every default serves."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Names stock SDK examples use; by default they all reach the default model (SPEC F5).
+DEFAULT_ALIASES = [
+    "gemini-2.0-flash",
+    "gemini-2.0-flash-001",
+    "gemini-2.5-flash",
+    "gemini-2.5-flash-lite",
+    "gemini-1.5-flash",
+    "gpt-4o-mini",
+    "gpt-4o",
+    "gpt-3.5-turbo",
+    "gpt-3.5-turbo-instruct",
+]
+DEFAULT_EMBEDDING_ALIASES = [
+    "text-embedding-004",
+    "gemini-embedding-001",
+    "embedding-001",
+    "text-embedding-3-small",
+    "text-embedding-ada-002",
+]
+
+
+class EngineConfig(BaseModel):
+    """Sizes and switches of one engine (one loaded model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("smollm2-135m-instruct", description="GGUF file, HF directory, or packaged model name")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Dtype = Field("auto", description="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    kv_cache_memory_mb: int = Field(2048, ge=1, description="memory budget for the KV cache")
+    num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_mb when set")
+    max_num_seqs: int = Field(64, ge=1, description="most sequences running at once")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
+    max_model_len: int | None = Field(None, ge=1, description="context cap; default the model's own")
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_threads: int | None = Field(None, ge=1, description="CPU threads; default all cores")
+    seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
+
+
+class ModelEntry(BaseModel):
+    """One generative model of the catalogue (SPEC F5); each runs in its own engine process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(description="the name clients use (`models/<id>` on the Gemini surface)")
+    source: str = Field(description="GGUF file, HF directory, or packaged model name")
+    aliases: list[str] = Field(default_factory=list, description="other names that reach this model")
+    version: str = Field("1", description="sent as modelVersion / x-model-version")
+    display_name: str | None = None
+    description: str = ""
+    max_context: int | None = Field(None, ge=1, description="context cap; default the engine's / the model's own")
+    max_output_tokens: int = Field(4096, ge=1, description="largest maxOutputTokens / max_tokens accepted")
+    dtype: Dtype | None = Field(None, description="overrides engine.dtype for this model")
+
+
+class EmbeddingModelEntry(BaseModel):
+    """The embedding model served by embedContent / batchEmbedContents / /v1/embeddings (SPEC F35)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = "all-minilm-l6-v2"
+    source: str = Field("all-minilm-l6-v2", description="BERT sentence-transformers directory or packaged name")
+    aliases: list[str] = Field(default_factory=lambda: list(DEFAULT_EMBEDDING_ALIASES))
+    version: str = "1"
+    display_name: str | None = None
+    max_batch: int = Field(100, ge=1, description="most texts in one request (Gemini's own limit is 100)")
+    num_threads: int = Field(1, ge=1, description="CPU threads of the front-end process for embeddings")
+
+
+class ServerConfig(BaseModel):
+    """The HTTP listener and request-level limits of ``gemel serve``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request (SPEC F46)")
+    max_request_timeout_s: float = Field(3600.0, gt=0, description="largest deadline a client may ask for")
+    engine_ready_timeout_s: float = Field(
+        300.0, gt=0, description="how long a request waits for a model that is still loading"
+    )
+    engine_stale_after_s: float = Field(
+        60.0, gt=0, description="/readyz fails when the engine has not reported for this long"
+    )
+    stats_interval_s: float = Field(0.5, gt=0, description="how often an idle engine process reports its stats")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class GemelConfig(BaseModel):
+    """Top-level configuration (``gemel serve --config gemel.yaml``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="generative models served; default: engine.model with the stock aliases"
+    )
+    embeddings: EmbeddingModelEntry | None = Field(default_factory=EmbeddingModelEntry)
+
+    @model_validator(mode="after")
+    def _default_catalogue(self) -> GemelConfig:
+        if not self.models:
+            self.models = [default_model_entry(self.engine.model)]
+        names: set[str] = set()
+        entries: list = list(self.models) + ([self.embeddings] if self.embeddings else [])
+        for entry in entries:
+            for name in [entry.id, *entry.aliases]:
+                if name in names:
+                    raise ValueError(f"model name {name!r} is used twice in the catalogue")
+                names.add(name)
+        return self
+
+    def engine_config(self, entry: ModelEntry) -> EngineConfig:
+        """The engine settings of one catalogue model: engine defaults plus the entry's overrides."""
+        update: dict = {"model": entry.source}
+        if entry.dtype is not None:
+            update["dtype"] = entry.dtype
+        if entry.max_context is not None:
+            update["max_model_len"] = entry.max_context
+        return self.engine.model_copy(update=update)
+
+
+def default_model_entry(source: str) -> ModelEntry:
+    return ModelEntry(id=source, source=source, aliases=list(DEFAULT_ALIASES))
+
+
+def load_config(path: str | None) -> GemelConfig:
+    if path is None:
+        return GemelConfig()
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return GemelConfig.model_validate(data)

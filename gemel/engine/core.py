@@ -1,0 +1,164 @@
+"""The engine core: scheduler + model runner, one ``step()`` at a time.
+
+It only sees token ids. Tokenising, detokenising and stop strings belong to the front
+end (``output_processor``), so in ``gemel serve`` this object runs alone in a child
+process and its loop never waits on Python work for the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from gemel.config import EngineConfig
+from gemel.engine.block_manager import BlockManager
+from gemel.engine.model_runner import ModelRunner, kv_bytes_per_token
+from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
+from gemel.engine.scheduler import Scheduler, SchedulerConfig
+from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gemel.loader.model_loader import LoadedModel, load_model
+from gemel.platform import select_device, select_dtype
+
+log = logging.getLogger("gemel.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = select_device(config.device)
+        self.dtype = select_dtype(config.dtype, self.device)
+        t0 = time.monotonic()
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
+        self.load_time_s = time.monotonic() - t0
+        arch = self.loaded.arch
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * kv_bytes_per_token(arch, self.dtype))
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device)
+        if config.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(config.seed)
+            self.runner.sampler.shared_generator = gen
+        self.seqs: dict[str, Sequence] = {}
+        self.last_step_time_s = 0.0
+        self.last_step_tokens = 0
+        log.info(
+            "engine ready: model=%s arch=%s device=%s dtype=%s kv_blocks=%d (x%d tokens) load=%.1fs threads=%d",
+            self.loaded.path, arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
+            self.load_time_s, torch.get_num_threads(),
+        )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.eos_token_ids)
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.seqs:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        if not req.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(req.prompt_token_ids)} tokens; this model's context is {self.max_model_len}"
+            )
+        vocab = self.loaded.arch.vocab_size
+        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(
+            seq_id=req.request_id,
+            token_ids=req.prompt_token_ids,
+            params=req.params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.params.priority,
+            tenant=req.tenant,
+            max_model_len=self.max_model_len,
+        )
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                self.runner.release(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        outputs: dict[str, EngineCoreOutput] = {}
+        for seq in sched.preempted:
+            outputs[seq.seq_id] = EngineCoreOutput(seq.seq_id, [], events=[("preempted", now)])
+        if sched.is_empty:
+            return list(outputs.values())
+        for seq in sched.first_scheduled:
+            outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, [])).events.append(("scheduled", now))
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        self.last_step_time_s = time.perf_counter() - t0
+        self.last_step_tokens = sched.num_batched_tokens
+        done = time.monotonic()
+        sampled = result.sampled
+        for i, seq in enumerate(result.seqs):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            token = sampled.token_ids[i]
+            seq.append_token(token)
+            out = outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, []))
+            out.new_token_ids.append(token)
+            out.new_logprobs.append(sampled.logprobs[i])
+            out.new_top_logprobs.append(sampled.top_logprobs[i])
+            out.num_cached_tokens = seq.num_cached_tokens
+            if seq.num_output_tokens == 1:
+                out.events.append(("first_token", done))
+            reason = seq.check_stop()
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.runner.release(seq.seq_id)
+                self.seqs.pop(seq.seq_id, None)
+                out.finish_reason = reason.value
+                out.stop_token_id = seq.stop_token_id
+                out.events.append(("finished", done))
+        return list(outputs.values())
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            step_tokens=self.last_step_tokens,
+            step_time_s=self.last_step_time_s,
+        )
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,165 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, samples.
+
+Owns the KV-cache tensors (one flat [num_slots, kv_heads, head_dim] K and V per layer;
+slot = block_id * block_size + offset) and the per-request random generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gemel.engine.scheduler import SchedulerOutput
+from gemel.engine.sequence import Sequence
+from gemel.layers.attention import AttentionMetadata, build_group
+from gemel.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from gemel.models.config import ModelArchConfig
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens for the sequences whose step reached the end of their known tokens."""
+
+    seqs: list[Sequence]
+    sampled: SamplerOutput | None
+
+
+def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arch: ModelArchConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+    ):
+        self.model = model
+        self.arch = arch
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        slots = num_blocks * block_size
+        shape = (arch.num_layers, slots, arch.num_kv_heads, arch.head_dim)
+        # Uninitialised: every slot is written before it is read, and pages are only
+        # touched when first used (zeroing gigabytes up front costs seconds of start-up).
+        # Slot 0 pads gathers of short contexts, so it must hold finite values.
+        self.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
+        self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
+        self.k_cache[:, :block_size].zero_()
+        self.v_cache[:, :block_size].zero_()
+        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(arch.num_layers)]
+        self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    # -- input preparation ------------------------------------------------------------
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slot_mapping: list[np.ndarray] = []
+        decode, prefill = ([], [], []), ([], [], [])
+        logits_rows: list[int] = []
+        row = 0
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.append(np.arange(start, end))
+            slot_mapping.append(self._slots(seq, start, end))
+            group = decode if n == 1 else prefill
+            group[0].append(range(row, row + n))
+            group[1].append(list(range(start, end)))
+            group[2].append(self._slots(seq, 0, end))
+            row += n
+            if end == seq.num_tokens:
+                logits_rows.append(row - 1)
+        groups = [
+            build_group(g[0], g[1], g[2], self.sliding_window, self.device) for g in (decode, prefill) if g[0]
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(self.device),
+            groups=groups,
+            num_tokens=row,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        return ids, pos, meta, logits_rows
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        vocab = self.arch.vocab_size
+        dev = self.device
+
+        def t(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        batch = SamplingBatch(
+            temperature=t([p.temperature for p in params]),
+            top_k=t([p.top_k if p.top_k > 0 else vocab for p in params], torch.long),
+            top_p=t([p.top_p for p in params]),
+            min_p=t([p.min_p for p in params]),
+            presence_penalty=t([p.presence_penalty for p in params]),
+            frequency_penalty=t([p.frequency_penalty for p in params]),
+            repetition_penalty=t([p.repetition_penalty for p in params]),
+            generators=[self._generator(s) for s in seqs],
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(p.greedy for p in params),
+        )
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            counts = torch.zeros(len(seqs), vocab, device=dev)
+            for i, s in enumerate(seqs):
+                out = s.output_token_ids
+                if out:
+                    counts[i].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
+            batch.output_counts = counts
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+            for i, s in enumerate(seqs):
+                seen[i, torch.tensor(s.token_ids, device=dev)] = True
+            batch.seen_mask = seen
+        return batch
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seq.params.seed)
+            self.generators[seq.seq_id] = gen
+        return gen
+
+    def release(self, seq_id: str) -> None:
+        self.generators.pop(seq_id, None)
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        ids, pos, meta, logits_rows = self.prepare(sched)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        seqs = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        if not seqs:
+            return StepResult([], None)
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
+        return StepResult(seqs, self.sampler(logits, self._sampling_batch(seqs)))
+
+    @torch.inference_mode()
+    def logits_for(self, sched: SchedulerOutput) -> torch.Tensor:
+        """All-position logits of a step (tests compare them with Hugging Face)."""
+        ids, pos, meta, _ = self.prepare(sched)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        return self.model.compute_logits(hidden)

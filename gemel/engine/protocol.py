@@ -1,0 +1,44 @@
+"""Messages between the front end and the engine core (same process or across a queue)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gemel.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    tenant: str = ""
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one sequence produced in one step, with monotonic-clock event stamps."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    events: list[tuple[str, float]] = field(default_factory=list)  # ("scheduled"|"preempted"|..., t)
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_tokens: int = 0
+    step_time_s: float = 0.0

@@ -1,0 +1,176 @@
+"""Continuous batching as in vLLM V1: each step is a mapping {sequence: tokens to compute}.
+
+There are no separate prefill and decode phases. A sequence asks for
+``num_tokens - num_computed_tokens`` tokens; the step's token budget caps that, which
+gives chunked prefill; a preempted sequence simply has all its tokens uncomputed again,
+which gives recompute preemption (the prefix cache makes the recompute cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gemel.engine.block_manager import BlockManager
+from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    aging_seconds: float = 30.0  # a waiting request gains one priority class per this many seconds
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    first_scheduled: list[Sequence] = field(default_factory=list)  # left the queue for the first time
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.token_budget = config.max_num_batched_tokens  # adapted by the engine (F13)
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def effective_priority(self, seq: Sequence, now: float) -> float:
+        """Priority class minus aging credit, so batch work cannot starve forever (F14)."""
+        waited = max(0.0, now - seq.arrival_time)
+        return max(0.0, seq.priority - waited / self.config.aging_seconds)
+
+    def _order_key(self, now: float) -> Callable[[Sequence], tuple[float, float]]:
+        return lambda s: (self.effective_priority(s, now), s.arrival_time)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Remove a sequence from the queues and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+        out.preempted.append(seq)
+
+    # -- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        budget = self.token_budget
+        key = self._order_key(now)
+        self.running.sort(key=key)
+        self.waiting.sort(key=key)
+        self._preempt_for_waiting(now, out)
+        num_preempted_for_waiting = len(out.preempted)
+
+        # 1. Running sequences, most important first; the least important yield blocks.
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running[-1]
+                if victim.seq_id in scheduled_ids:  # never undo work already planned this step
+                    victim = seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            # seq itself was preempted; the list shifted under index i
+
+        # 2. Waiting sequences, unless running ones had to be preempted for room this step.
+        if len(out.preempted) > num_preempted_for_waiting:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached_ids: list[int] = []
+            cached_hashes: list[int] = []
+            if seq.num_computed_tokens == 0:
+                cached_ids, cached_hashes = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached_ids) * self.block_manager.block_size
+            num_new = seq.num_tokens - max(num_cached, seq.num_computed_tokens)
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(seq, num_new, cached_ids, cached_hashes):
+                break
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                seq.num_cached_tokens = num_cached
+                self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
+                out.first_scheduled.append(seq)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt_for_waiting(self, now: float, out: SchedulerOutput) -> None:
+        """Let a more important waiting request take blocks from less important running ones."""
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        head_prio = self.effective_priority(head, now)
+        need = -(-head.num_tokens // self.block_manager.block_size)
+        while self.block_manager.num_free_blocks < need and self.running:
+            victim = self.running[-1]
+            if self.effective_priority(victim, now) <= head_prio or victim.priority <= head.priority:
+                return
+            self._preempt(victim, out)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counters and register newly full blocks for prefix reuse."""
+        for seq, num_new in out.scheduled:
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)

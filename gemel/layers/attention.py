@@ -1,0 +1,117 @@
+"""Attention over the paged KV cache.
+
+Per step the model runner builds one :class:`AttentionMetadata`: where each new token's
+K/V goes (``slot_mapping``) and, for each group of sequences, index tensors that gather
+their queries and their whole context from the paged cache into a padded batch. Every
+layer then does one ``index_copy_`` and one SDPA call per group; there is no Python loop
+over sequences or blocks in the layer. Decodes (one query token) and prefills form
+separate groups so a long prefill does not pad every decode to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    query_index: torch.Tensor  # [B, max_q] rows of the step's flat token dimension (padding -> 0)
+    valid_rows: torch.Tensor  # positions in the flattened [B * max_q] layout that are real tokens
+    token_rows: torch.Tensor  # the flat token rows those valid positions belong to
+    kv_slots: torch.Tensor  # [B, max_ctx] cache slots of each sequence's context (padding -> 0)
+    mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where a query may attend (causal)
+    sliding_mask: torch.Tensor | None  # same, restricted to the sliding window
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_group(
+    seq_rows: list[range],
+    query_positions: list[list[int]],
+    context_slots: list[list[int]],
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionGroup:
+    """Index tensors for sequences attended with one padded SDPA call.
+
+    ``seq_rows[b]``: flat token rows of sequence b's new tokens; ``query_positions[b]``:
+    their absolute positions; ``context_slots[b]``: cache slots of positions 0..ctx-1.
+    """
+    batch = len(seq_rows)
+    max_q = max(len(r) for r in seq_rows)
+    max_ctx = max(len(c) for c in context_slots)
+    query_index = torch.zeros(batch, max_q, dtype=torch.long)
+    kv_slots = torch.zeros(batch, max_ctx, dtype=torch.long)
+    q_pos = torch.full((batch, max_q), -1, dtype=torch.long)
+    ctx_len = torch.empty(batch, dtype=torch.long)
+    valid_rows: list[int] = []
+    token_rows: list[int] = []
+    for b, (rows, pos, slots) in enumerate(zip(seq_rows, query_positions, context_slots)):
+        n = len(rows)
+        query_index[b, :n] = torch.as_tensor(rows, dtype=torch.long)
+        q_pos[b, :n] = torch.as_tensor(pos, dtype=torch.long)
+        kv_slots[b, : len(slots)] = torch.as_tensor(slots, dtype=torch.long)
+        ctx_len[b] = len(slots)
+        valid_rows.extend(range(b * max_q, b * max_q + n))
+        token_rows.extend(rows)
+    k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
+    qp = q_pos.unsqueeze(-1)
+    mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
+    sliding = None
+    if sliding_window is not None:
+        sliding = mask & (k_pos > qp - sliding_window)
+        sliding[..., 0] |= q_pos < 0  # padding rows attend somewhere, avoiding NaN
+        sliding = sliding.unsqueeze(1).to(device)
+    mask[..., 0] |= q_pos < 0
+    return AttentionGroup(
+        query_index=query_index.to(device),
+        valid_rows=torch.as_tensor(valid_rows, dtype=torch.long, device=device),
+        token_rows=torch.as_tensor(token_rows, dtype=torch.long, device=device),
+        kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        sliding_mask=sliding,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    use_sliding_window: bool = False,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq * D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    num_tokens, num_heads, head_dim = q.shape
+    gqa = num_heads != k.shape[1]
+    if len(meta.groups) == 1 and meta.groups[0].valid_rows.numel() == num_tokens:
+        return _group_attention(q, k_cache, v_cache, meta.groups[0], scale, use_sliding_window, gqa)[
+            meta.groups[0].valid_rows
+        ].reshape(num_tokens, num_heads * head_dim)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for group in meta.groups:
+        o = _group_attention(q, k_cache, v_cache, group, scale, use_sliding_window, gqa)
+        out.index_copy_(0, group.token_rows, o[group.valid_rows])
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window, gqa):
+    batch, max_q = group.query_index.shape
+    qg = q[group.query_index].transpose(1, 2)  # [B, Hq, max_q, D]
+    kg = k_cache[group.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_ctx, D]
+    vg = v_cache[group.kv_slots].transpose(1, 2).to(q.dtype)
+    mask = group.sliding_mask if (use_sliding_window and group.sliding_mask is not None) else group.mask
+    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2).reshape(batch * max_q, q.shape[1], q.shape[2])

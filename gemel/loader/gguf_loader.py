@@ -1,0 +1,173 @@
+"""GGUF checkpoints (SPEC F3): metadata -> architecture config, tensors -> Hugging Face names.
+
+The file is memory-mapped by ``gguf.GGUFReader``. F32/F16/BF16 tensors are wrapped
+without copying; Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K (and the other types the ``gguf``
+package knows) are dequantised to float32 when the model asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import numpy as np
+import torch
+
+from gemel.models.config import ModelArchConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class GGUFLoadError(ValueError):
+    pass
+
+
+def open_gguf(path: str):
+    """Parse the header and tensor index, naming the file on any failure."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise GGUFLoadError(f"{path}: no such GGUF file")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:
+        raise GGUFLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise GGUFLoadError(
+                f"{path}: tensor {t.name!r} is truncated (needs bytes up to {end}, file has {size})"
+            )
+    return reader
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def hf_name(gguf_name: str, architecture: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if m:
+        part = m.group(2)
+        if part == "ffn_norm":
+            mapped = "pre_feedforward_layernorm" if architecture == "gemma3" else "post_attention_layernorm"
+        else:
+            mapped = _LAYER_NAMES.get(part)
+        if mapped is None:
+            return gguf_name
+        return f"model.layers.{m.group(1)}.{mapped}.{suffix}"
+    mapped = _GLOBAL_NAMES.get(stem)
+    return f"{mapped}.{suffix}" if mapped else gguf_name
+
+
+def arch_config(reader, path: str) -> ModelArchConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFLoadError(f"{path}: architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+
+    def key(name, default=None):
+        return field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // heads)
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size", 0) or (len(tokens) if tokens is not None else 0))
+    tensor_names = {t.name for t in reader.tensors}
+    rope_scaling = None
+    scaling_type = key("rope.scaling.type")
+    if scaling_type == "linear" or key("rope.scaling.factor"):
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    layers = int(key("block_count"))
+    cfg = ModelArchConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=rope_scaling,
+    )
+    if arch == "gemma3":
+        # llama.cpp's Gemma 3 layout: every 6th layer global, the rest sliding; local RoPE base 10k.
+        cfg.sliding_window = int(key("attention.sliding_window", 512))
+        cfg.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        cfg.rope_local_theta = 10000.0
+        cfg.query_pre_attn_scalar = float(head_dim)
+        softcap = key("final_logit_softcapping")
+        cfg.final_logit_softcapping = float(softcap) if softcap else None
+    return cfg
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp stores Llama q/k rows interleaved for its RoPE; undo to the HF half-split layout."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def tensor_factories(reader, cfg: ModelArchConfig) -> dict:
+    """HF name -> zero-argument function producing the tensor (float32 for quantised types)."""
+    from gguf import GGMLQuantizationType, quants
+
+    plain = {
+        GGMLQuantizationType.F32: torch.float32,
+        GGMLQuantizationType.F16: torch.float16,
+        GGMLQuantizationType.BF16: torch.bfloat16,
+    }
+
+    def make(t):
+        def load() -> torch.Tensor:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            if t.tensor_type in plain:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only mmap: we never write weights
+                    if t.tensor_type == GGMLQuantizationType.BF16:
+                        arr = torch.from_numpy(np.asarray(t.data).view(np.int16)).view(torch.bfloat16)
+                    else:
+                        arr = torch.from_numpy(np.asarray(t.data))
+                    tensor = arr.reshape(shape)
+            else:
+                tensor = torch.from_numpy(quants.dequantize(t.data, t.tensor_type)).reshape(shape)
+            if cfg.architecture == "llama" and t.name.startswith("blk."):
+                heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads}
+                for part, n in heads.items():
+                    if part in t.name:
+                        tensor = torch.from_numpy(_unpermute_rope(tensor.float().numpy(), n).copy())
+            return tensor
+
+        return load
+
+    return {hf_name(t.name, cfg.architecture): make(t) for t in reader.tensors}

@@ -1,0 +1,56 @@
+"""One entry point: a source (path or packaged name) -> model, tokenizer, architecture config."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gemel.loader import sources
+from gemel.loader.tokenizer import Tokenizer
+from gemel.models.config import ModelArchConfig
+from gemel.models.weights import WeightSource
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    arch: ModelArchConfig
+    path: str
+
+
+def model_class(architecture: str):
+    if architecture in ("llama", "qwen2"):
+        from gemel.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if architecture == "gemma3":
+        from gemel.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    raise ValueError(f"architecture {architecture!r} is not supported")
+
+
+def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict]:
+    if os.path.isdir(path):
+        from gemel.loader import safetensors_loader
+
+        arch = safetensors_loader.arch_config(path)
+        return arch, Tokenizer.from_pretrained_dir(path), safetensors_loader.tensor_factories(path, arch)
+    from gemel.loader import gguf_loader
+
+    reader = gguf_loader.open_gguf(path)
+    arch = gguf_loader.arch_config(reader, path)
+    return arch, Tokenizer.from_gguf(reader, path), gguf_loader.tensor_factories(reader, arch)
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
+    path = sources.resolve(source)
+    arch, tokenizer, factories = load_arch_and_tokenizer(path)
+    weights = WeightSource(factories, dtype, device, origin=path)
+    max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    with torch.inference_mode():
+        model = model_class(arch.architecture)(arch, weights, device, max_positions).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, path=path)

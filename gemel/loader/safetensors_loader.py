@@ -1,0 +1,137 @@
+"""Hugging Face checkpoint directories: config.json + *.safetensors, memory-mapped.
+
+The safetensors header is parsed here and each tensor is a ``torch.frombuffer`` view of
+a copy-on-write mmap of the file, so unquantised weights are used without copying.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+
+import torch
+
+from gemel.models.config import ModelArchConfig
+
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
+
+
+class SafetensorsLoadError(ValueError):
+    pass
+
+
+def arch_config(directory: str) -> ModelArchConfig:
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SafetensorsLoadError(f"{path}: cannot read model config ({exc})") from exc
+    archs = cfg.get("architectures") or []
+    arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None)
+    if arch is None:
+        raise SafetensorsLoadError(f"{path}: architectures {archs} not supported (supported: {sorted(_ARCHS)})")
+    if "text_config" in cfg:  # multimodal wrapper: the decoder's settings live here
+        cfg = {**cfg, **cfg["text_config"]}
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope_params = cfg.get("rope_parameters") or {}
+    full_rope = rope_params.get("full_attention", rope_params) if isinstance(rope_params, dict) else {}
+    local_rope = rope_params.get("sliding_attention", {}) if isinstance(rope_params, dict) else {}
+    rope_theta = cfg.get("rope_theta") or full_rope.get("rope_theta") or 10000.0
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and full_rope.get("rope_type", "default") != "default":
+        rope_scaling = full_rope
+    if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
+        rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+    out = ModelArchConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
+        attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+        rope_scaling=rope_scaling,
+    )
+    if arch == "gemma3":
+        out.sliding_window = cfg.get("sliding_window", 512)
+        pattern = cfg.get("sliding_window_pattern", 6)
+        out.layer_types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(out.num_layers)
+        ]
+        out.rope_local_theta = float(cfg.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0)
+        out.query_pre_attn_scalar = cfg.get("query_pre_attn_scalar", head_dim)
+        out.final_logit_softcapping = cfg.get("final_logit_softcapping")
+    return out
+
+
+def _index_file(path: str) -> dict:
+    """name -> factory for one .safetensors file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        try:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SafetensorsLoadError(f"{path}: not a safetensors file ({exc})") from exc
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    base = 8 + header_len
+    factories = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        if base + end > size:
+            raise SafetensorsLoadError(f"{path}: tensor {name!r} is truncated (needs {base + end} bytes, file has {size})")
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise SafetensorsLoadError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+
+        def load(start=start, end=end, dtype=dtype, shape=tuple(info["shape"])):
+            count = (end - start) // torch.empty((), dtype=dtype).element_size()
+            if count == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start).reshape(shape)
+
+        factories[name] = load
+    return factories
+
+
+def tensor_factories(directory: str, cfg: ModelArchConfig) -> dict:
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise SafetensorsLoadError(f"{directory}: no .safetensors files")
+    factories: dict = {}
+    for name in files:
+        factories.update(_index_file(os.path.join(directory, name)))
+    out = {}
+    for name, factory in factories.items():
+        name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+        if cfg.architecture == "gemma3" and name.endswith("norm.weight"):
+            # Gemma scales by (1 + w); store the sum, as GGUF does, so the model has one convention.
+            factory = (lambda f: (lambda: f().float() + 1.0))(factory)
+        out[name] = factory
+    return out

@@ -1,0 +1,92 @@
+"""Gemma 3 text decoder: sliding-window and global layers, QK-norm, GeGLU, scaled tied embeddings.
+
+Norm weights arrive with the 1 already added (the GGUF convention; the safetensors loader
+adds it), so every RMSNorm here is a plain float32 scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemel.layers.attention import AttentionMetadata, paged_attention
+from gemel.layers.layernorm import rms_norm_gemma
+from gemel.layers.linear import Linear
+from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from gemel.models.config import ModelArchConfig
+from gemel.models.weights import WeightSource
+
+
+def _norm(w: WeightSource, name: str) -> nn.Parameter:
+    return nn.Parameter(w.get(name, dtype=torch.float32), requires_grad=False)
+
+
+class Gemma3Layer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, w: WeightSource, i: int):
+        super().__init__()
+        p = f"model.layers.{i}."
+        self.cfg = cfg
+        self.sliding = cfg.is_sliding(i)
+        self.input_norm = _norm(w, p + "input_layernorm.weight")
+        self.post_attn_norm = _norm(w, p + "post_attention_layernorm.weight")
+        self.pre_ffn_norm = _norm(w, p + "pre_feedforward_layernorm.weight")
+        self.post_ffn_norm = _norm(w, p + "post_feedforward_layernorm.weight")
+        self.q_norm = _norm(w, p + "self_attn.q_norm.weight")
+        self.k_norm = _norm(w, p + "self_attn.k_norm.weight")
+        self.qkv_proj = Linear.fused([w.get(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])
+        self.o_proj = Linear(w.get(p + "self_attn.o_proj.weight"))
+        self.gate_up_proj = Linear.fused([w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight")])
+        self.down_proj = Linear(w.get(p + "mlp.down_proj.weight"))
+
+    def forward(self, x, rope, meta: AttentionMetadata, kv_cache):
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        cos, sin = rope[self.sliding]
+        h = rms_norm_gemma(x, self.input_norm, eps)
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = rms_norm_gemma(q.view(-1, cfg.num_heads, cfg.head_dim), self.q_norm, eps)
+        k = rms_norm_gemma(k.view(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm, eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
+        x = x + rms_norm_gemma(self.o_proj(attn), self.post_attn_norm, eps)
+        h = rms_norm_gemma(x, self.pre_ffn_norm, eps)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        h = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return x + rms_norm_gemma(h, self.post_ffn_norm, eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, w: WeightSource, device: torch.device, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(w.get("model.embed_tokens.weight"), requires_grad=False)
+        self.layers = nn.ModuleList(Gemma3Layer(cfg, w, i) for i in range(cfg.num_layers))
+        self.norm = _norm(w, "model.norm.weight")
+        lm_head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", required=False)
+        self.lm_head = nn.Parameter(lm_head if lm_head is not None else self.embed_tokens, requires_grad=False)
+        scaling = cfg.rope_scaling or {}
+        factor = scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0
+        self.global_rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, device, linear_factor=factor)
+        self.local_rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, device)
+        self.embed_scale = cfg.hidden_size**0.5
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = {
+            False: self.global_rope.cos_sin(positions, x.dtype),
+            True: self.local_rope.cos_sin(positions, x.dtype),
+        }
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, rope, meta, kv_cache)
+        return rms_norm_gemma(x, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.lm_head).float()
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

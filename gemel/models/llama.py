@@ -1,0 +1,72 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 with its q/k/v bias)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemel.layers.attention import AttentionMetadata, paged_attention
+from gemel.layers.layernorm import rms_norm_llama
+from gemel.layers.linear import Linear
+from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from gemel.models.config import ModelArchConfig
+from gemel.models.weights import WeightSource
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, w: WeightSource, i: int):
+        super().__init__()
+        p = f"model.layers.{i}."
+        self.cfg = cfg
+        self.input_norm = nn.Parameter(w.get(p + "input_layernorm.weight"), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(w.get(p + "post_attention_layernorm.weight"), requires_grad=False)
+        names = ["q_proj", "k_proj", "v_proj"]
+        biases = [w.get(p + f"self_attn.{n}.bias") for n in names] if cfg.attention_bias else None
+        self.qkv_proj = Linear.fused([w.get(p + f"self_attn.{n}.weight") for n in names], biases)
+        self.o_proj = Linear(w.get(p + "self_attn.o_proj.weight"))
+        self.gate_up_proj = Linear.fused([w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight")])
+        self.down_proj = Linear(w.get(p + "mlp.down_proj.weight"))
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        cfg = self.cfg
+        h = rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps)
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
+        x = x + self.o_proj(attn)
+        h = rms_norm_llama(x, self.post_attn_norm, cfg.rms_norm_eps)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, w: WeightSource, device: torch.device, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(w.get("model.embed_tokens.weight"), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, w, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(w.get("model.norm.weight"), requires_grad=False)
+        lm_head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", required=False)
+        self.lm_head = nn.Parameter(lm_head if lm_head is not None else self.embed_tokens, requires_grad=False)
+        scaling = cfg.rope_scaling or {}
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim,
+            max_positions,
+            cfg.rope_theta,
+            device,
+            linear_factor=scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0,
+            llama3_scaling=scaling if scaling.get("rope_type") == "llama3" else None,
+        )
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv_cache)
+        return rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
