@@ -144,6 +144,19 @@ class EngineCore:
                 out.events.append(("finished", done))
         return list(outputs.values())
 
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of ``token_ids`` (scoring; tests compare them with HF)."""
+        from gemel.engine.scheduler import SchedulerOutput
+        from gemel.sampling_params import SamplingParams
+
+        seq = Sequence(seq_id="__score__", token_ids=token_ids, params=SamplingParams())
+        if not self.block_manager.allocate_slots(seq, len(token_ids)):
+            raise RuntimeError("not enough free KV blocks to score this sequence")
+        try:
+            return self.runner.logits_for(SchedulerOutput(scheduled=[(seq, len(token_ids))]))
+        finally:
+            self.block_manager.free(seq)
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -1,0 +1,76 @@
+"""Comparing gemel with Hugging Face transformers on the same weights (SPEC F4).
+
+Greedy tokens must be equal. A divergence is accepted only at a genuine near-tie, the
+rule vLLM's logprob-closeness check uses: at the first differing step each side's token
+is within the other's top-2 and the two tokens' logits are within 1e-3 on both sides.
+In bfloat16 the rule is top-5 containment (bf16 logits are only good to ~1e-2).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ParityResult:
+    prompt_index: int
+    equal: bool
+    near_tie_step: int | None = None
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' own greedy ``generate``, with EOS disabled like gemel's ``ignore_eos``."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
+    config.pad_token_id = 0
+    for name in ("temperature", "top_p", "top_k"):
+        setattr(config, name, None)
+    saved = model.config.eos_token_id, model.generation_config.eos_token_id
+    # generate() falls back to the model's own configs for EOS: clear them for the call.
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([prompt_ids])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    finally:
+        model.config.eos_token_id, model.generation_config.eos_token_id = saved
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def check_greedy(
+    index: int,
+    prompt_ids: list[int],
+    ours: list[int],
+    theirs: list[int],
+    our_logits_fn,
+    hf_model,
+    bf16: bool = False,
+    tie_tol: float = 1e-3,
+) -> ParityResult:
+    if ours == theirs:
+        return ParityResult(index, True)
+    j = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b) if len(ours) == len(theirs) else min(
+        len(ours), len(theirs)
+    )
+    prefix = prompt_ids + ours[:j]
+    mine = our_logits_fn(prefix)[-1].float()
+    ref = hf_logits(hf_model, prefix)[-1]
+    a, b = ours[j], theirs[j]
+    k = 5 if bf16 else 2
+    contained = b in mine.topk(k).indices.tolist() and a in ref.topk(k).indices.tolist()
+    close = bf16 or (abs(float(mine[a] - mine[b])) <= tie_tol and abs(float(ref[a] - ref[b])) <= tie_tol)
+    assert contained and close, (
+        f"prompt {index}: greedy diverged at step {j} (gemel {a}, HF {b}) without a near-tie: "
+        f"gemel logits {float(mine[a]):.5f}/{float(mine[b]):.5f}, HF {float(ref[a]):.5f}/{float(ref[b]):.5f}"
+    )
+    return ParityResult(index, False, j)

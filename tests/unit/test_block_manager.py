@@ -1,0 +1,137 @@
+"""Paged KV bookkeeping and the prefix cache, without a model."""
+
+from __future__ import annotations
+
+from gemel.engine.block_manager import BlockManager
+from gemel.engine.scheduler import Scheduler, SchedulerConfig
+from gemel.engine.sequence import Sequence
+from gemel.sampling_params import SamplingParams
+
+
+def seq(sid: str, tokens: list[int], priority: int = 1, arrival: float = 0.0) -> Sequence:
+    return Sequence(sid, tokens, SamplingParams(max_tokens=8), arrival_time=arrival, priority=priority)
+
+
+def test_allocate_and_free_return_pool_to_full():
+    bm = BlockManager(10, 4)
+    s = seq("a", list(range(10)))
+    assert bm.allocate_slots(s, 10)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 7
+    s.num_computed_tokens = 10
+    assert bm.allocate_slots(s, 1)  # 11th token fits in the third block
+    assert len(s.block_table) == 3
+    s.num_computed_tokens = 12
+    assert bm.allocate_slots(s, 1)
+    assert len(s.block_table) == 4
+    bm.free(s)
+    assert bm.num_free_blocks == 10 and s.block_table == []
+
+
+def test_allocation_fails_without_side_effects_when_full():
+    bm = BlockManager(2, 4)
+    s = seq("a", list(range(12)))
+    assert not bm.allocate_slots(s, 12)
+    assert bm.num_free_blocks == 2 and s.block_table == []
+
+
+def test_prefix_hit_requires_equal_chain_and_leaves_last_token():
+    bm = BlockManager(16, 4)
+    a = seq("a", list(range(12)))
+    assert bm.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    bm.cache_full_blocks(a)
+    b = seq("b", list(range(12)) + [99])
+    ids, hashes = bm.find_cached_prefix(b)
+    assert ids == a.block_table[:3]
+    same = seq("c", list(range(12)))  # identical: the last block is left to compute
+    assert len(bm.find_cached_prefix(same)[0]) == 2
+    other = seq("d", [0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11, 5])
+    assert bm.find_cached_prefix(other)[0] == a.block_table[:1]
+
+
+def test_freed_cached_blocks_are_reused_then_evicted_lru():
+    bm = BlockManager(4, 2)
+    a = seq("a", [1, 2, 3, 4])
+    assert bm.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    b = seq("b", [1, 2, 3, 4, 5])
+    ids, hashes = bm.find_cached_prefix(b)
+    assert len(ids) == 2  # still findable after free
+    # Pressure: a new unrelated sequence takes every block, evicting the cached ones.
+    c = seq("c", [7, 7, 7, 7, 7, 7, 7, 7])
+    assert bm.allocate_slots(c, 8)
+    assert bm.find_cached_prefix(b) == ([], [])
+    assert bm.hash_to_block == {}
+
+
+def test_scheduler_token_budget_and_chunked_prefill():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), bm)
+    a, b = seq("a", list(range(25))), seq("b", list(range(100, 104)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [("a", 10)]
+    sched.update_after_step(out)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [("a", 10)]
+    sched.update_after_step(out)
+    out = sched.schedule()  # a's last 5 prompt tokens, then b joins with the rest of the budget
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [("a", 5), ("b", 4)]
+
+
+def test_scheduler_respects_sequence_cap():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), bm)
+    for i in range(3):
+        sched.add(seq(str(i), [1, 2, 3]))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 1
+
+
+def test_preemption_picks_lowest_priority_latest_arrival():
+    bm = BlockManager(6, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), bm, clock=lambda: 0.0)
+    p0 = seq("p0", list(range(8)), priority=0, arrival=0.0)
+    p2_old = seq("p2-old", list(range(8)), priority=2, arrival=0.0)
+    p2_new = seq("p2-new", list(range(8)), priority=2, arrival=0.0001)
+    for s in (p0, p2_old, p2_new):
+        sched.add(s)
+    out = sched.schedule()
+    assert len(out.scheduled) == 3 and bm.num_free_blocks == 0
+    sched.update_after_step(out)
+    for s in (p0, p2_old, p2_new):  # each sampled a token: now needs a 3rd block
+        s.append_token(5)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == ["p2-new"]
+    assert {s.seq_id for s, _ in out.scheduled} == {"p0", "p2-old"}
+    assert p2_new.num_computed_tokens == 0 and p2_new in sched.waiting
+
+
+def test_waiting_high_priority_preempts_running_low_priority():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), bm, clock=lambda: 0.0)
+    low = seq("low", list(range(16)), priority=2)
+    sched.add(low)
+    sched.update_after_step(sched.schedule())
+    high = seq("high", list(range(100, 108)), priority=0)
+    sched.add(high)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == ["low"]
+    assert [s.seq_id for s, _ in out.scheduled] == ["high"]
+
+
+def test_aging_lets_batch_class_overtake():
+    now = [0.0]
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=100, aging_seconds=10), bm, clock=lambda: now[0])
+    old_batch = seq("batch", [1, 2], priority=2, arrival=0.0)
+    sched.add(old_batch)
+    now[0] = 100.0
+    fresh_p0 = seq("p0", [3, 4], priority=0, arrival=100.0)
+    sched.add(fresh_p0)
+    out = sched.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == ["batch"]

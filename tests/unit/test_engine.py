@@ -1,0 +1,151 @@
+"""Engine behaviour on a tiny random-weight Llama: batching, preemption, abort, stops, seeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gemel import LLM, SamplingParams
+from gemel.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+_rng = random.Random(1)
+MIXED = [[_rng.randrange(3, 300) for _ in range(n)] for n in (2, 5, 9, 13, 17, 21, 26, 30, 34, 3, 8, 15, 44, 50, 6, 11)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_invariance_of_greedy_output(llm):
+    alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in MIXED]
+    together = _tokens(llm.generate(prompt_token_ids=MIXED, sampling_params=GREEDY))
+    assert len(MIXED) == 16
+    assert together == alone
+
+
+def test_preemption_keeps_outputs_identical(tiny_llama_dir, llm):
+    reference = _tokens(llm.generate(prompt_token_ids=MIXED, sampling_params=GREEDY))
+    # 40 blocks of 4 tokens cannot hold 16 sequences of up to 74 tokens: the scheduler must preempt.
+    small = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=40)
+    outs = small.generate(prompt_token_ids=MIXED, sampling_params=GREEDY)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    assert _tokens(outs) == reference
+    core = small.engine.core
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_chunked_prefill_matches_whole_prefill(tiny_llama_dir, llm):
+    reference = _tokens(llm.generate(prompt_token_ids=MIXED[-4:], sampling_params=GREEDY))
+    chunked = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, max_num_batched_tokens=7)
+    assert _tokens(chunked.generate(prompt_token_ids=MIXED[-4:], sampling_params=GREEDY)) == reference
+
+
+def test_abort_frees_every_block(llm):
+    engine: LLMEngine = llm.engine
+    bm = engine.core.block_manager
+    for i, p in enumerate(MIXED[:6]):
+        engine.add_request(f"abort-{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert bm.num_free_blocks < bm.num_blocks
+    for i in range(6):
+        engine.abort(f"abort-{i}")
+    assert not engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_prefix_cache_hits_and_same_output(llm):
+    prompt = MIXED[13]  # 50 tokens = 12 full blocks of 4
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
+    second = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
+    assert second.num_cached_tokens >= 48
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_max_tokens_and_finish_reasons(llm):
+    out = llm.generate(prompt_token_ids=[MIXED[0]], sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].finish_reason == "length"
+    first = llm.generate(prompt_token_ids=[MIXED[1]], sampling_params=GREEDY)[0].outputs[0].token_ids
+    stop_tok = first[3]
+    out = llm.generate(
+        prompt_token_ids=[MIXED[1]],
+        sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_tok]),
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == first[: first.index(stop_tok) + 1]
+
+
+def test_stop_string_truncates_text(llm):
+    full = llm.generate(prompt_token_ids=[MIXED[2]], sampling_params=GREEDY)[0].outputs[0].text
+    assert len(full) > 6
+    stop = full[4:6]
+    out = llm.generate(
+        prompt_token_ids=[MIXED[2]],
+        sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert out.text == full[: full.index(stop)]
+
+
+def test_seeded_sampling_is_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[MIXED[4]], sampling_params=params)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(prompt_token_ids=MIXED[:8], sampling_params=[noise] * 4 + [params] + [noise] * 3)
+    assert batch[4].outputs[0].token_ids == alone
+    again = llm.generate(prompt_token_ids=[MIXED[4]], sampling_params=params)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_n_candidates_seeded_and_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=[MIXED[5]], sampling_params=params)[0]
+    b = llm.generate(prompt_token_ids=[MIXED[5]], sampling_params=params)[0]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_logprobs_are_log_softmax_of_logits(llm):
+    import torch
+
+    out = llm.generate(
+        prompt_token_ids=[MIXED[3]], sampling_params=SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )[0].outputs[0]
+    ids = MIXED[3] + out.token_ids
+    logits = llm.engine.core.prompt_logits(ids)
+    ref = torch.log_softmax(logits, dim=-1)
+    for step, lp in enumerate(out.logprobs):
+        pos = len(MIXED[3]) - 1 + step
+        assert lp.token_id == out.token_ids[step]
+        assert abs(lp.logprob - float(ref[pos, lp.token_id])) < 1e-4
+        assert [t for t, _ in lp.top] == ref[pos].topk(3).indices.tolist()
+
+
+def test_chat_messages_and_text_prompts(llm):
+    outs = llm.generate(
+        ["Hello, world!", [{"role": "user", "content": "How are you?"}]],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
+    assert outs[0].prompt == "Hello, world!"
+    assert outs[1].prompt.startswith("<|im_start|>user\nHow are you?")
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+
+
+def test_bad_requests_raise_clear_errors(llm):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(prompt_token_ids=[[5] * 600])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(prompt_token_ids=[[5, 100000]])
