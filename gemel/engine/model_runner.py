@@ -1,6 +1,6 @@
 """Turns a scheduled step into tensors, runs the model over the paged KV cache, samples.
 
-Owns the KV-cache tensors (one flat [num_slots, kv_heads, head_dim] K and V per layer;
+Owns the KV-cache tensors (one [kv_heads, num_slots, head_dim] K and V per layer;
 slot = block_id * block_size + offset) and the per-request random generators.
 """
 
@@ -48,14 +48,16 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         slots = num_blocks * block_size
-        shape = (arch.num_layers, slots, arch.num_kv_heads, arch.head_dim)
+        # Head-major ([kv_heads, slots, head_dim] per layer) so a gather of a batch's context
+        # is already in the layout the attention matmuls want, with no transposing copy.
+        shape = (arch.num_layers, arch.num_kv_heads, slots, arch.head_dim)
         # Uninitialised: every slot is written before it is read, and pages are only
         # touched when first used (zeroing gigabytes up front costs seconds of start-up).
         # Slot 0 pads gathers of short contexts, so it must hold finite values.
         self.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
-        self.k_cache[:, :block_size].zero_()
-        self.v_cache[:, :block_size].zero_()
+        self.k_cache[:, :, :block_size].zero_()
+        self.v_cache[:, :, :block_size].zero_()
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(arch.num_layers)]
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()

@@ -25,7 +25,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where a query may attend (causal)
     sliding_mask: torch.Tensor | None  # same, restricted to the sliding window
     is_decode: bool = False  # one query per sequence: attention as two small batched matmuls
-    bias: torch.Tensor | None = None  # decode only: [B, 1, 1, max_ctx] float32, 0 or -inf
+    bias: torch.Tensor | None = None  # decode only: [1, B, 1, max_ctx] float32, 0 or -inf
     sliding_bias: torch.Tensor | None = None
 
 
@@ -80,7 +80,7 @@ def build_group(
         if m is None:
             return None
         zero = torch.zeros((), dtype=torch.float32)
-        return torch.where(m, zero, float("-inf")).view(batch, 1, 1, max_ctx).to(device)
+        return torch.where(m, zero, float("-inf")).view(1, batch, 1, max_ctx).to(device)
 
     return AttentionGroup(
         query_index=query_index.to(device),
@@ -105,9 +105,9 @@ def paged_attention(
     scale: float,
     use_sliding_window: bool = False,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq * D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [Hkv, num_slots, D]. Returns [T, Hq * D]."""
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     num_tokens, num_heads, head_dim = q.shape
     gqa = num_heads != k.shape[1]
     if len(meta.groups) == 1 and meta.groups[0].valid_rows.numel() == num_tokens:
@@ -121,20 +121,27 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def _gather_context(cache: torch.Tensor, kv_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Hkv, slots, D] cache -> [Hkv, B, ctx, D] context of each sequence (one index_select)."""
+    batch, ctx = kv_slots.shape
+    out = cache.index_select(1, kv_slots.reshape(-1)).view(cache.shape[0], batch, ctx, cache.shape[2])
+    return out.to(dtype)
+
+
 def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window):
     """One query per sequence. Two batched matmuls with the GQA group folded into the rows
     beat the fused SDPA kernel at these shapes on CPU (it is tuned for long queries)."""
     batch = group.query_index.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kg = k_cache[group.kv_slots].to(q.dtype)  # [B, ctx, Hkv, D]
-    vg = v_cache[group.kv_slots].to(q.dtype)
-    num_kv = kg.shape[2]
-    qg = q[group.query_index[:, 0]].view(batch, num_kv, num_heads // num_kv, head_dim)
-    scores = torch.matmul(qg, kg.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, ctx]
+    kg = _gather_context(k_cache, group.kv_slots, q.dtype)  # [Hkv, B, ctx, D]
+    vg = _gather_context(v_cache, group.kv_slots, q.dtype)
+    num_kv = kg.shape[0]
+    qg = q[group.query_index[:, 0]].view(batch, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
+    scores = torch.matmul(qg, kg.transpose(-1, -2)).float() * scale  # [Hkv, B, G, ctx]
     bias = group.sliding_bias if (use_sliding_window and group.sliding_bias is not None) else group.bias
     probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, vg.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
-    return out.reshape(batch, num_heads, head_dim)
+    out = torch.matmul(probs, vg)  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window, gqa):
@@ -142,8 +149,8 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_slid
         return _decode_attention(q, k_cache, v_cache, group, scale, use_sliding_window)
     batch, max_q = group.query_index.shape
     qg = q[group.query_index].transpose(1, 2)  # [B, Hq, max_q, D]
-    kg = k_cache[group.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_ctx, D]
-    vg = v_cache[group.kv_slots].transpose(1, 2).to(q.dtype)
+    kg = _gather_context(k_cache, group.kv_slots, q.dtype).transpose(0, 1)  # [B, Hkv, max_ctx, D]
+    vg = _gather_context(v_cache, group.kv_slots, q.dtype).transpose(0, 1)
     mask = group.sliding_mask if (use_sliding_window and group.sliding_mask is not None) else group.mask
     o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2).reshape(batch * max_q, q.shape[1], q.shape[2])
