@@ -43,14 +43,39 @@ class GGUFLoadError(ValueError):
     pass
 
 
+def _checked_reader_class():
+    """GGUFReader that checks every tensor's extent against the file before mapping it,
+    so a truncated file is reported with the tensor's name, not a numpy reshape error."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = self.data.nbytes
+            for f in fields:
+                _name_len, name_data, _n_dims, dims, raw_dtype, offset = f.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block
+                if end > size:
+                    raise GGUFLoadError(
+                        f"{self.gemel_path}: tensor {name!r} is truncated (needs bytes up to {end}, file has {size})"
+                    )
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
 def open_gguf(path: str):
     """Parse the header and tensor index, naming the file on any failure."""
-    from gguf import GGUFReader
-
     if not os.path.isfile(path):
         raise GGUFLoadError(f"{path}: no such GGUF file")
+    reader_class = _checked_reader_class()
+    reader_class.gemel_path = path
     try:
-        reader = GGUFReader(path, "r")
+        reader = reader_class(path, "r")
+    except GGUFLoadError:
+        raise
     except Exception as exc:
         raise GGUFLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     size = os.path.getsize(path)

@@ -1,0 +1,81 @@
+"""Checkpoint loading: zero-copy for unquantised GGUF tensors, clear errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from gemel.loader import gguf_loader, safetensors_loader, sources
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> str:
+    return sources.resolve("smollm2-135m-instruct")
+
+
+def test_gguf_metadata_to_llama_config(smollm2_path):
+    reader = gguf_loader.open_gguf(smollm2_path)
+    cfg = gguf_loader.arch_config(reader, smollm2_path)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
+
+
+def test_unquantised_gguf_tensors_are_not_copied(smollm2_path):
+    from gemel.models.weights import WeightSource
+
+    reader = gguf_loader.open_gguf(smollm2_path)
+    cfg = gguf_loader.arch_config(reader, smollm2_path)
+    base, size = reader.data.ctypes.data, reader.data.nbytes
+    weights = WeightSource(gguf_loader.tensor_factories(reader, cfg), torch.float32, torch.device("cpu"), smollm2_path)
+    norm = weights.get("model.layers.0.input_layernorm.weight")  # F32 in the file
+    assert base <= norm.data_ptr() < base + size, "F32 tensor was copied out of the memory map"
+    quantised = weights.get("model.layers.0.mlp.down_proj.weight")  # Q4_1: dequantised, so a new buffer
+    assert not base <= quantised.data_ptr() < base + size
+    assert quantised.shape == (576, 1536)
+
+
+def test_truncated_gguf_names_file_and_tensor(tmp_path, smollm2_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(os.path.getsize(smollm2_path) // 2))
+    with pytest.raises(gguf_loader.GGUFLoadError) as err:
+        gguf_loader.open_gguf(str(cut))
+    assert str(cut) in str(err.value) and "tensor" in str(err.value) and "truncated" in str(err.value)
+
+
+def test_garbage_gguf_names_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(gguf_loader.GGUFLoadError, match="bad.gguf"):
+        gguf_loader.open_gguf(str(bad))
+
+
+def test_missing_source_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        sources.resolve("no-such-model")
+
+
+def test_truncated_safetensors_names_file_and_tensor(tmp_path, tiny_llama_dir):
+    d = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, d)
+    st = d / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) - 1000])
+    cfg = safetensors_loader.arch_config(str(d))
+    with pytest.raises(safetensors_loader.SafetensorsLoadError) as err:
+        safetensors_loader.tensor_factories(str(d), cfg)
+    assert "model.safetensors" in str(err.value) and "truncated" in str(err.value) and "tensor" in str(err.value)
+
+
+def test_unsupported_architecture_is_rejected(tmp_path, tiny_llama_dir):
+    d = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(safetensors_loader.SafetensorsLoadError, match="MambaForCausalLM"):
+        safetensors_loader.arch_config(str(d))
