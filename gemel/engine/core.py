@@ -19,6 +19,7 @@ from gemel.engine.model_runner import ModelRunner, kv_bytes_per_token
 from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
 from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gemel.engine.step_budget import StepTimeModel
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
 
@@ -56,6 +57,7 @@ class EngineCore:
             gen.manual_seed(config.seed)
             self.runner.sampler.shared_generator = gen
         self.seqs: dict[str, Sequence] = {}
+        self.step_time_model = StepTimeModel()
         self.last_step_time_s = 0.0
         self.last_step_tokens = 0
         log.info(
@@ -105,7 +107,17 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------
+    def _update_token_budget(self) -> None:
+        target = self.config.itl_target_ms
+        max_tokens = self.config.max_num_batched_tokens
+        if target is None:
+            self.scheduler.token_budget = max_tokens
+            return
+        decoding = sum(1 for s in self.scheduler.running if s.num_uncomputed_tokens <= 1)
+        self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens)
+
     def step(self) -> list[EngineCoreOutput]:
+        self._update_token_budget()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         outputs: dict[str, EngineCoreOutput] = {}
@@ -120,6 +132,7 @@ class EngineCore:
         self.scheduler.update_after_step(sched)
         self.last_step_time_s = time.perf_counter() - t0
         self.last_step_tokens = sched.num_batched_tokens
+        self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s)
         done = time.monotonic()
         sampled = result.sampled
         for i, seq in enumerate(result.seqs):
