@@ -45,6 +45,9 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="context cap; default the model's own")
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    itl_target_ms: float | None = Field(
+        50.0, gt=0, description="step-time target while requests decode (F13); null: always the full budget"
+    )
     num_threads: int | None = Field(None, ge=1, description="CPU threads; default all cores")
     seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
 
