@@ -48,6 +48,10 @@ class EngineConfig(BaseModel):
     itl_target_ms: float | None = Field(
         50.0, gt=0, description="step-time target while requests decode (F13); null: always the full budget"
     )
+    weight_quant: Literal["none", "int8", "int4"] = Field(
+        "none", description="weight-only int8/int4 copies of the projections for small decode batches (CPU)"
+    )
+    packed_max_rows: int = Field(4, ge=0, description="use the packed low-bit kernels up to this many rows")
     num_threads: int | None = Field(None, ge=1, description="CPU threads; default all cores")
     seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
 

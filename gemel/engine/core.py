@@ -37,6 +37,10 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
+        if config.weight_quant != "none":
+            from gemel.layers.linear import quantize_model_
+
+            quantize_model_(self.loaded.model, config.weight_quant, config.packed_max_rows)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         num_blocks = config.num_kv_blocks or max(

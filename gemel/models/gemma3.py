@@ -66,7 +66,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Gemma3Layer(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = _norm(w, "model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", required=False)
-        self.lm_head = nn.Parameter(lm_head if lm_head is not None else self.embed_tokens, requires_grad=False)
+        self.lm_head = Linear(lm_head if lm_head is not None else self.embed_tokens)
         scaling = cfg.rope_scaling or {}
         factor = scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0
         self.global_rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, device, linear_factor=factor)
@@ -85,7 +85,7 @@ class Gemma3ForCausalLM(nn.Module):
         return rms_norm_gemma(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

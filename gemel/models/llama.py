@@ -50,7 +50,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(w.get("model.norm.weight"), requires_grad=False)
         lm_head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", required=False)
-        self.lm_head = nn.Parameter(lm_head if lm_head is not None else self.embed_tokens, requires_grad=False)
+        self.lm_head = Linear(lm_head if lm_head is not None else self.embed_tokens)
         scaling = cfg.rope_scaling or {}
         self.rotary = RotaryEmbedding(
             cfg.head_dim,
@@ -69,4 +69,4 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
