@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gemel.engine.structured_output import StructuredOutputSpec
 
 
 @dataclass
@@ -32,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
     priority: int = 1
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputSpec | None = None  # grammar the output must match (F17)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

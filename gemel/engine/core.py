@@ -61,6 +61,8 @@ class EngineCore:
             gen.manual_seed(config.seed)
             self.runner.sampler.shared_generator = gen
         self.seqs: dict[str, Sequence] = {}
+        self.structured = None  # StructuredOutputManager, built on the first constrained request
+        self.scheduler.is_ready = self._is_ready
         self.step_time_model = StepTimeModel()
         self.last_step_time_s = 0.0
         self.last_step_tokens = 0
@@ -97,15 +99,35 @@ class EngineCore:
             tenant=req.tenant,
             max_model_len=self.max_model_len,
         )
+        if req.params.structured_output is not None:
+            self._structured().add(req.request_id, req.params.structured_output)
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
+
+    def _structured(self):
+        if self.structured is None:
+            from gemel.engine.structured_output import StructuredOutputManager
+
+            self.structured = StructuredOutputManager(
+                self.tokenizer.backend.to_str(), self.loaded.arch.vocab_size, list(self.eos_token_ids)
+            )
+            self.runner.structured = self.structured
+        return self.structured
+
+    def _is_ready(self, seq: Sequence) -> bool:
+        return self.structured is None or self.structured.is_ready(seq.seq_id)
+
+    def _release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+        if self.structured is not None:
+            self.structured.remove(seq_id)
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             seq = self.seqs.pop(rid, None)
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
-                self.runner.release(rid)
+                self._release(rid)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -128,6 +150,8 @@ class EngineCore:
         for seq in sched.preempted:
             outputs[seq.seq_id] = EngineCoreOutput(seq.seq_id, [], events=[("preempted", now)])
         if sched.is_empty:
+            if self.structured is not None and self.structured.pending:
+                self.structured.wait_any(timeout=0.05)  # nothing else to run: don't spin
             return list(outputs.values())
         for seq in sched.first_scheduled:
             outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, [])).events.append(("scheduled", now))
@@ -152,9 +176,11 @@ class EngineCore:
             if seq.num_output_tokens == 1:
                 out.events.append(("first_token", done))
             reason = seq.check_stop()
+            if self.structured is not None and self.structured.accept(seq.seq_id, token) and reason is None:
+                reason = FinishReason.STOP  # the grammar is complete: nothing else may follow
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                self.runner.release(seq.seq_id)
+                self._release(seq.seq_id)
                 self.seqs.pop(seq.seq_id, None)
                 out.finish_reason = reason.value
                 out.stop_token_id = seq.stop_token_id

@@ -61,6 +61,7 @@ class ModelRunner:
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(arch.num_layers)]
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()
+        self.structured = None  # StructuredOutputManager when any request is constrained
         self.generators: dict[str, torch.Generator] = {}
 
     # -- input preparation ------------------------------------------------------------
@@ -157,6 +158,8 @@ class ModelRunner:
         if not seqs:
             return StepResult([], None)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
+        if self.structured is not None:
+            self.structured.apply_mask(logits, [s.seq_id for s in seqs])
         return StepResult(seqs, self.sampler(logits, self._sampling_batch(seqs)))
 
     @torch.inference_mode()

@@ -52,6 +52,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.token_budget = config.max_num_batched_tokens  # adapted by the engine (F13)
+        self.is_ready: Callable[[Sequence], bool] = lambda seq: True  # set by the engine
         self.num_preemptions = 0
 
     # -- queue management ---------------------------------------------------------------
@@ -128,8 +129,12 @@ class Scheduler:
         # 2. Waiting sequences, unless running ones had to be preempted for room this step.
         if len(out.preempted) > num_preempted_for_waiting:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self.is_ready(seq):  # e.g. its grammar is still compiling: let others pass
+                continue
             cached_ids: list[int] = []
             cached_hashes: list[int] = []
             if seq.num_computed_tokens == 0:
@@ -147,11 +152,14 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
                 out.first_scheduled.append(seq)
-            self.waiting.pop(0)
+            admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+        if admitted:
+            taken = {id(s) for s in admitted}
+            self.waiting = [s for s in self.waiting if id(s) not in taken]
         return out
 
     def _preempt_for_waiting(self, now: float, out: SchedulerOutput) -> None:
