@@ -151,6 +151,29 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None | bool:
+        """Let ``child`` reuse ``parent``'s KV for its first ``num_tokens`` tokens.
+
+        Full blocks are shared (reference counted); a partially filled last block is
+        copied into a new block (copy-on-write done eagerly, since the child will write
+        into it). Returns the (source, destination) block pair to copy, None when nothing
+        needs copying, or False when no block is free for the copy.
+        """
+        bs = self.block_size
+        shared, partial = divmod(num_tokens, bs)
+        if partial and not self.free_queue:
+            return False
+        for bid in parent.block_table[:shared]:
+            self.blocks[bid].ref_count += 1
+        child.block_table = list(parent.block_table[:shared])
+        child.block_hashes = list(parent.block_hashes[:shared])
+        child.num_computed_tokens = num_tokens
+        if not partial:
+            return None
+        dst = self._pop_free_block()
+        child.block_table.append(dst)
+        return parent.block_table[shared], dst
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks; cached ones stay findable until reused (LRU)."""
         for bid in reversed(seq.block_table):

@@ -62,6 +62,8 @@ class EngineCore:
             self.runner.sampler.shared_generator = gen
         self.seqs: dict[str, Sequence] = {}
         self.structured = None  # StructuredOutputManager, built on the first constrained request
+        self.pending_forks: dict[str, list[Sequence]] = {}  # leader id -> siblings waiting for its prefill
+        self.num_forks = 0
         self.scheduler.is_ready = self._is_ready
         self.step_time_model = StepTimeModel()
         self.last_step_time_s = 0.0
@@ -102,7 +104,11 @@ class EngineCore:
         if req.params.structured_output is not None:
             self._structured().add(req.request_id, req.params.structured_output)
         self.seqs[req.request_id] = seq
-        self.scheduler.add(seq)
+        leader = self.seqs.get(req.fork_of) if req.fork_of else None
+        if leader is not None and not leader.is_finished and leader.num_output_tokens == 0:
+            self.pending_forks.setdefault(leader.seq_id, []).append(seq)
+        else:
+            self.scheduler.add(seq)
 
     def _structured(self):
         if self.structured is None:
@@ -122,15 +128,45 @@ class EngineCore:
         if self.structured is not None:
             self.structured.remove(seq_id)
 
+    def _fork_pending(self) -> None:
+        """Siblings of an n-request start from their leader's prompt KV once it is computed;
+        each recomputes only the last prompt token to get logits for its own first sample."""
+        for leader_id in list(self.pending_forks):
+            leader = self.seqs.get(leader_id)
+            followers = self.pending_forks[leader_id]
+            if leader is None or leader.is_finished:
+                del self.pending_forks[leader_id]
+                for seq in followers:  # nothing to share any more: compute normally
+                    self.scheduler.add(seq)
+                continue
+            if leader.status != SequenceStatus.RUNNING or leader.num_computed_tokens < leader.num_prompt_tokens:
+                continue
+            del self.pending_forks[leader_id]
+            for seq in followers:
+                copy = self.block_manager.fork(leader, seq, seq.num_prompt_tokens - 1)
+                if copy is False:
+                    self.scheduler.add(seq)
+                    continue
+                if copy is not None:
+                    self.runner.copy_block(*copy)
+                self.num_forks += 1
+                self.scheduler.add(seq)
+
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             seq = self.seqs.pop(rid, None)
-            if seq is not None and not seq.is_finished:
+            if seq is None:
+                continue
+            for followers in self.pending_forks.values():
+                if seq in followers:
+                    followers.remove(seq)
+                    seq.status = SequenceStatus.FINISHED
+            if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
                 self._release(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.pending_forks)
 
     # -- the step ---------------------------------------------------------------------
     def _update_token_budget(self) -> None:
@@ -143,6 +179,8 @@ class EngineCore:
         self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.pending_forks:
+            self._fork_pending()
         self._update_token_budget()
         sched = self.scheduler.schedule()
         now = time.monotonic()
@@ -161,6 +199,8 @@ class EngineCore:
         self.last_step_time_s = time.perf_counter() - t0
         self.last_step_tokens = sched.num_batched_tokens
         self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s)
+        if self.pending_forks:
+            self._fork_pending()
         done = time.monotonic()
         sampled = result.sampled
         for i, seq in enumerate(result.seqs):

@@ -41,7 +41,10 @@ class LLMEngine:
         state = RequestState(request_id, text, ids, params, self.tokenizer)
         arrival = time.monotonic()
         for i, cand in enumerate(state.candidates):
-            self.core.add_request(EngineCoreRequest(cand.seq_id, ids, child_params(params, i), arrival, tenant))
+            leader = state.candidates[0].seq_id if i > 0 else None
+            self.core.add_request(
+                EngineCoreRequest(cand.seq_id, ids, child_params(params, i), arrival, tenant, fork_of=leader)
+            )
         self.processor.add(state)
 
     def abort(self, request_id: str) -> None:

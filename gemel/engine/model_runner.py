@@ -146,6 +146,12 @@ class ModelRunner:
             self.generators[seq.seq_id] = gen
         return gen
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one KV block in every layer (copy-on-write of a forked sequence's last block)."""
+        bs = self.block_size
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, :, dst * bs : (dst + 1) * bs] = cache[:, :, src * bs : (src + 1) * bs]
+
     def release(self, seq_id: str) -> None:
         self.generators.pop(seq_id, None)
 

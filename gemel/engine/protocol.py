@@ -14,6 +14,7 @@ class EngineCoreRequest:
     params: SamplingParams
     arrival_time: float
     tenant: str = ""
+    fork_of: str | None = None  # candidate i > 0 of an n-request: share candidate 0's prompt KV
 
 
 @dataclass

@@ -149,8 +149,8 @@ class Scheduler:
                 break
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-                seq.num_cached_tokens = num_cached
-                self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
+                seq.num_cached_tokens = max(num_cached, seq.num_computed_tokens)  # forked KV counts
+                self.block_manager.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
                 out.first_scheduled.append(seq)
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING

@@ -149,3 +149,32 @@ def test_bad_requests_raise_clear_errors(llm):
         llm.generate(prompt_token_ids=[[5] * 600])
     with pytest.raises(ValueError, match="token ids"):
         llm.generate(prompt_token_ids=[[5, 100000]])
+
+
+def test_n_candidates_share_the_prompt_kv(llm):
+    engine = llm.engine
+    core = engine.core
+    prompt = MIXED[13]  # 50 tokens: 12 full blocks of 4 and a partial one
+    before = core.num_forks
+    engine.add_request("fork", prompt_token_ids=prompt, params=SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
+    tables = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        for sid in ("fork#0", "fork#1", "fork#2"):
+            seq = core.seqs.get(sid)
+            if seq is not None and seq.num_output_tokens == 1 and sid not in tables:
+                tables[sid] = list(seq.block_table)
+    assert core.num_forks - before == 2
+    shared = len(prompt) // 4  # (50 - 1) // 4 = 12 shared blocks
+    assert tables["fork#1"][:12] == tables["fork#0"][:12] == tables["fork#2"][:12]
+    assert tables["fork#1"][12] != tables["fork#0"][12]  # the partial block was copied, not shared
+    assert shared == 12
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_forked_candidate_equals_unforked_candidate(llm):
+    """Candidate 1 of a seeded n=2 request must equal a lone request with seed + 1."""
+    prompt = MIXED[12]
+    pair = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(n=2, temperature=1.0, seed=40, max_tokens=10, ignore_eos=True))[0]
+    lone = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=1.0, seed=41, max_tokens=10, ignore_eos=True))[0]
+    assert pair.outputs[1].token_ids == lone.outputs[0].token_ids
