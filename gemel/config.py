@@ -52,6 +52,12 @@ class EngineConfig(BaseModel):
         "none", description="weight-only int8/int4 copies of the projections for small decode batches (CPU)"
     )
     packed_max_rows: int = Field(4, ge=0, description="use the packed low-bit kernels up to this many rows")
+    speculative_method: Literal["none", "ngram", "draft_layers"] = Field(
+        "none", description="speculative decoding proposer (F18): n-gram prompt lookup or the target's first layers"
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step")
+    ngram_max: int = Field(4, ge=1, description="longest suffix the n-gram proposer matches")
+    draft_layers: int = Field(8, ge=1, description="layers of the target used as the self-speculative draft")
     num_threads: int | None = Field(None, ge=1, description="CPU threads; default all cores")
     seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
 

@@ -19,6 +19,7 @@ from gemel.engine.model_runner import ModelRunner, kv_bytes_per_token
 from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
 from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
@@ -63,6 +64,10 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}
         self.structured = None  # StructuredOutputManager, built on the first constrained request
         self.pending_forks: dict[str, list[Sequence]] = {}  # leader id -> siblings waiting for its prefill
+        self.spec_stats = SpecStats()
+        self.proposer = None
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(config.num_speculative_tokens, n_max=config.ngram_max)
         self.num_forks = 0
         self.scheduler.is_ready = self._is_ready
         self.step_time_model = StepTimeModel()
@@ -195,37 +200,58 @@ class EngineCore:
             outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, [])).events.append(("scheduled", now))
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched)
+        self.scheduler.update_after_step(sched, result.num_rejected)
         self.last_step_time_s = time.perf_counter() - t0
         self.last_step_tokens = sched.num_batched_tokens
         self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s)
+        for seq, _ in sched.scheduled:
+            if seq.spec_token_ids:
+                self.spec_stats.record(len(seq.spec_token_ids), len(seq.spec_token_ids) - result.num_rejected[seq.seq_id])
+                seq.spec_token_ids = []
         if self.pending_forks:
             self._fork_pending()
         done = time.monotonic()
-        sampled = result.sampled
         for i, seq in enumerate(result.seqs):
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            token = sampled.token_ids[i]
-            seq.append_token(token)
             out = outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, []))
-            out.new_token_ids.append(token)
-            out.new_logprobs.append(sampled.logprobs[i])
-            out.new_top_logprobs.append(sampled.top_logprobs[i])
             out.num_cached_tokens = seq.num_cached_tokens
-            if seq.num_output_tokens == 1:
-                out.events.append(("first_token", done))
-            reason = seq.check_stop()
-            if self.structured is not None and self.structured.accept(seq.seq_id, token) and reason is None:
-                reason = FinishReason.STOP  # the grammar is complete: nothing else may follow
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._release(seq.seq_id)
-                self.seqs.pop(seq.seq_id, None)
-                out.finish_reason = reason.value
-                out.stop_token_id = seq.stop_token_id
-                out.events.append(("finished", done))
+            for j, token in enumerate(result.tokens[i]):
+                seq.append_token(token)
+                out.new_token_ids.append(token)
+                out.new_logprobs.append(result.logprobs[i][j])
+                out.new_top_logprobs.append(result.top_logprobs[i][j])
+                if seq.num_output_tokens == 1:
+                    out.events.append(("first_token", done))
+                reason = seq.check_stop()
+                if self.structured is not None and self.structured.accept(seq.seq_id, token) and reason is None:
+                    reason = FinishReason.STOP  # the grammar is complete: nothing else may follow
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    self._release(seq.seq_id)
+                    self.seqs.pop(seq.seq_id, None)
+                    out.finish_reason = reason.value
+                    out.stop_token_id = seq.stop_token_id
+                    out.events.append(("finished", done))
+                    break
+        if self.proposer is not None:
+            self._propose()
         return list(outputs.values())
+
+    def _propose(self) -> None:
+        """Draft the next step's tokens for decoding sequences that can take them."""
+        for seq in self.scheduler.running:
+            p = seq.params
+            if (
+                seq.num_uncomputed_tokens != 1
+                or p.logprobs is not None
+                or p.structured_output is not None
+                or p.uses_penalties
+            ):
+                continue
+            room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if room > 0:
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:room]
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` (scoring; tests compare them with HF)."""

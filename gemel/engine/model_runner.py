@@ -14,16 +14,21 @@ import torch
 from gemel.engine.scheduler import SchedulerOutput
 from gemel.engine.sequence import Sequence
 from gemel.layers.attention import AttentionMetadata, build_group
+from gemel.engine.spec_decode import verify
 from gemel.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from gemel.models.config import ModelArchConfig
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the sequences whose step reached the end of their known tokens."""
+    """New tokens for the sequences whose step reached the end of their known tokens: one
+    each, or up to k + 1 for a sequence whose k speculative tokens were verified."""
 
     seqs: list[Sequence]
-    sampled: SamplerOutput | None
+    tokens: list[list[int]]
+    logprobs: list[list[float | None]]
+    top_logprobs: list[list[list[tuple[int, float]] | None]]
+    num_rejected: dict[str, int]
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
@@ -80,7 +85,8 @@ class ModelRunner:
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            input_ids.extend(tokens[start:end])
             positions.append(np.arange(start, end))
             slot_mapping.append(self._slots(seq, start, end))
             group = decode if n == 1 else prefill
@@ -88,7 +94,9 @@ class ModelRunner:
             group[1].append(list(range(start, end)))
             group[2].append(self._slots(seq, 0, end))
             row += n
-            if end == seq.num_tokens:
+            if seq.spec_token_ids:  # logits at the last real token and at every proposal
+                logits_rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
+            elif end == seq.num_tokens:
                 logits_rows.append(row - 1)
         groups = [
             build_group(g[0], g[1], g[2], self.sliding_window, self.device) for g in (decode, prefill) if g[0]
@@ -160,13 +168,42 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         ids, pos, meta, logits_rows = self.prepare(sched)
         hidden = self.model(ids, pos, meta, self.kv_caches)
-        seqs = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        seqs = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n >= seq.num_tokens]
+        result = StepResult(seqs, [], [], [], {})
         if not seqs:
-            return StepResult([], None)
+            return result
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
-        if self.structured is not None:
-            self.structured.apply_mask(logits, [s.seq_id for s in seqs])
-        return StepResult(seqs, self.sampler(logits, self._sampling_batch(seqs)))
+        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
+        row_of: list[int] = []  # first logits row of each sequence
+        r = 0
+        for s in seqs:
+            row_of.append(r)
+            r += len(s.spec_token_ids) + 1
+        sampled = None
+        if plain:
+            plain_logits = logits if len(plain) == len(seqs) else logits[torch.tensor([row_of[i] for i in plain])]
+            plain_seqs = [seqs[i] for i in plain]
+            if self.structured is not None:
+                self.structured.apply_mask(plain_logits, [s.seq_id for s in plain_seqs])
+            sampled = dict(zip(plain, _unpack(self.sampler(plain_logits, self._sampling_batch(plain_seqs)))))
+        for i, seq in enumerate(seqs):
+            if i in (sampled or {}):
+                tok, lp, top = sampled[i]
+                result.tokens.append([tok])
+                result.logprobs.append([lp])
+                result.top_logprobs.append([top])
+                continue
+            k = len(seq.spec_token_ids)
+            rows = logits[row_of[i] : row_of[i] + k + 1]
+            if not seq.params.greedy:
+                rows = self.sampler.processed_probs(rows, self._sampling_batch([seq] * (k + 1)))
+            gen = self._generator(seq) or self.sampler.shared_generator
+            tokens = verify(rows, seq.spec_token_ids, seq.params, gen)
+            result.tokens.append(tokens)
+            result.logprobs.append([None] * len(tokens))
+            result.top_logprobs.append([None] * len(tokens))
+            result.num_rejected[seq.seq_id] = k - (len(tokens) - 1)
+        return result
 
     @torch.inference_mode()
     def logits_for(self, sched: SchedulerOutput) -> torch.Tensor:
@@ -174,3 +211,7 @@ class ModelRunner:
         ids, pos, meta, _ = self.prepare(sched)
         hidden = self.model(ids, pos, meta, self.kv_caches)
         return self.model.compute_logits(hidden)
+
+
+def _unpack(out: SamplerOutput) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    return list(zip(out.token_ids, out.logprobs, out.top_logprobs))

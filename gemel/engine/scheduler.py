@@ -85,6 +85,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -107,7 +108,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            if seq.spec_token_ids:  # keep only the proposals that fit the budget
+                del seq.spec_token_ids[max(0, num_new - seq.num_uncomputed_tokens) :]
             if num_new <= 0:
                 i += 1
                 continue
@@ -175,10 +178,13 @@ class Scheduler:
                 return
             self._preempt(victim, out)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counters and register newly full blocks for prefix reuse."""
+    def update_after_step(self, out: SchedulerOutput, num_rejected: dict[str, int] | None = None) -> None:
+        """Advance computed-token counters and register newly full blocks for prefix reuse.
+
+        Rejected speculative tokens were computed but are not part of the sequence: their
+        KV slots are simply overwritten later."""
         for seq, num_new in out.scheduled:
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - (num_rejected or {}).get(seq.seq_id, 0)
             self.block_manager.cache_full_blocks(seq)

@@ -49,6 +49,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens to verify next step
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -79,9 +79,9 @@ class Sampler:
             logits = logits - batch.presence_penalty.view(-1, 1) * (counts > 0).float()
         return logits
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def processed_probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Target probabilities after temperature, top-k, top-p and min-p (unnormalised after min-p)."""
         greedy_rows = batch.temperature < 1e-5
-        greedy_tokens = logits.argmax(dim=-1)
         temp = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temp.view(-1, 1)
         vocab = logits.shape[-1]
@@ -91,6 +91,12 @@ class Sampler:
         if bool((batch.min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p.view(-1, 1)
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_rows = batch.temperature < 1e-5
+        greedy_tokens = logits.argmax(dim=-1)
+        probs = self.processed_probs(logits, batch)
         q = torch.empty_like(probs).exponential_(generator=self.shared_generator)
         for i, gen in enumerate(batch.generators):
             if gen is not None:
