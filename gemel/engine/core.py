@@ -68,6 +68,10 @@ class EngineCore:
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.num_speculative_tokens, n_max=config.ngram_max)
+        elif config.speculative_method == "draft_layers":
+            if not 1 <= config.draft_layers < arch.num_layers:
+                raise ValueError(f"draft_layers must be between 1 and {arch.num_layers - 1} for this model")
+            self.proposer = "draft_layers"
         self.num_forks = 0
         self.scheduler.is_ready = self._is_ready
         self.step_time_model = StepTimeModel()
@@ -239,7 +243,10 @@ class EngineCore:
         return list(outputs.values())
 
     def _propose(self) -> None:
-        """Draft the next step's tokens for decoding sequences that can take them."""
+        """Draft the next step's tokens for decoding sequences that can take them
+        (not those needing logprobs, grammars or penalties: they decode one token a step)."""
+        k = self.config.num_speculative_tokens
+        batch: list[Sequence] = []
         for seq in self.scheduler.running:
             p = seq.params
             if (
@@ -249,9 +256,19 @@ class EngineCore:
                 or p.uses_penalties
             ):
                 continue
-            room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            if room > 0:
+            room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, k + 1) - 1
+            if room <= 0:
+                continue
+            if self.proposer == "draft_layers":
+                # Whole drafts only (the passes run in lockstep); slots for every draft position.
+                if room == k and self.block_manager.allocate_slots(seq, k + 1):
+                    batch.append(seq)
+            else:
                 seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:room]
+        if batch:
+            drafts = self.runner.draft_greedy(batch, k, self.config.draft_layers)
+            for seq, draft in zip(batch, drafts):
+                seq.spec_token_ids = draft
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` (scoring; tests compare them with HF)."""

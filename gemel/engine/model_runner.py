@@ -154,6 +154,34 @@ class ModelRunner:
             self.generators[seq.seq_id] = gen
         return gen
 
+    @torch.inference_mode()
+    def draft_greedy(self, seqs: list[Sequence], k: int, num_layers: int) -> list[list[int]]:
+        """Self-speculative drafts: k greedy tokens per sequence from the target's first
+        ``num_layers`` layers (the model loop stops with the shorter KV-cache list), then
+        the final norm and LM head. Their KV writes in those layers are exactly what the
+        full model writes there, and the verifying step overwrites them anyway. The
+        sequences' blocks must already cover ``num_tokens - 1 + k`` positions."""
+        tokens = [s.token_ids[-1] for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for _ in range(k):
+            slots = [self._slots(s, 0, p + 1) for s, p in zip(seqs, positions)]
+            group = build_group([range(i, i + 1) for i in range(len(seqs))], [[p] for p in positions], slots,
+                                self.sliding_window, self.device)
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(np.array([sl[-1] for sl in slots])).to(self.device),
+                groups=[group],
+                num_tokens=len(seqs),
+            )
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, pos, meta, self.kv_caches[:num_layers])
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            for d, t in zip(drafts, tokens):
+                d.append(t)
+            positions = [p + 1 for p in positions]
+        return drafts
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block in every layer (copy-on-write of a forked sequence's last block)."""
         bs = self.block_size

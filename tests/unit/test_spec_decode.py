@@ -92,3 +92,18 @@ def test_sampled_second_token_keeps_target_marginal(pair):
     dof = int(big.sum())
     # chi-square critical value at p = 0.001 is below dof + 4.5 * sqrt(2 dof) + 10 for these dof
     assert chi2 < dof + 4.5 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+
+
+def test_greedy_output_identical_with_self_speculative_draft(tiny_llama_dir, pair):
+    base, _ = pair
+    spec = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, speculative_method="draft_layers",
+               draft_layers=1, num_speculative_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = REPETITIVE + [[5, 6, 7]]
+    a = [o.outputs[0].token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+    b = [o.outputs[0].token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert a == b
+    stats = spec.engine.core.spec_stats
+    assert stats.num_draft_tokens > 0
+    core = spec.engine.core
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
