@@ -296,6 +296,10 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             step_tokens=self.last_step_tokens,
             step_time_s=self.last_step_time_s,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=list(self.spec_stats.accepted_per_position),
         )
 
 

@@ -43,3 +43,7 @@ class EngineStats:
     num_preemptions: int = 0
     step_tokens: int = 0
     step_time_s: float = 0.0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
