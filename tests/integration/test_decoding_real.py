@@ -1,0 +1,98 @@
+"""Decoding features on the real models: structured output across 10 schemas, speculative
+decoding's greedy identity, and logprobs against transformers' log-softmax."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import pytest
+import torch
+
+from gemel import LLM, SamplingParams
+from gemel.engine.structured_output import StructuredOutputSpec
+
+pytestmark = pytest.mark.slow
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                "minItems": 1, "maxItems": 3}}, "required": ["items"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}}, "required": ["ok", "score"]},
+    {"type": "object", "properties": {"address": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 15}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "required": ["city", "zip"]}}, "required": ["address"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["n"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+                                      "count": {"type": "integer"}}, "required": ["tags", "count"]},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
+                                      "year": {"type": "integer", "minimum": 1900, "maximum": 2030}},
+     "required": ["title", "year"]},
+    {"type": "object", "properties": {"points": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}}},
+     "required": ["points"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "reason": {"type": "string", "maxLength": 40}},
+     "required": ["answer", "reason"]},
+]
+PROMPT = "Reply with a JSON object that fits this request: describe something interesting."
+
+
+@pytest.mark.parametrize("model,dtype", [("smollm2-135m-instruct", "auto"), ("gemma3-270m", "auto")])
+def test_200_structured_generations_validate(model, dtype):
+    llm = LLM(model, dtype=dtype, kv_cache_memory_mb=256)
+    prompt = [{"role": "user", "content": PROMPT}] if llm.tokenizer.chat_template else PROMPT
+    failures = []
+    for s_index, schema in enumerate(SCHEMAS):
+        spec = StructuredOutputSpec("json_schema", json.dumps(schema))
+        params = [
+            SamplingParams(temperature=0.8, seed=100 * s_index + i, max_tokens=96, structured_output=spec)
+            for i in range(10)
+        ]
+        for out in llm.generate([prompt] * 10, params):
+            text = out.outputs[0].text
+            try:
+                jsonschema.validate(json.loads(text), schema)
+            except Exception as exc:  # collect them all, then fail with every case listed
+                failures.append((s_index, out.outputs[0].finish_reason, text, str(exc)[:100]))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_layers"])
+def test_speculative_greedy_identical_on_smollm2(method):
+    prompts = [
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox."}],
+        [{"role": "user", "content": "Write a haiku about autumn."}],
+        [{"role": "user", "content": "List the numbers from one to ten in words."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_mb=128)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    del base
+    spec = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_mb=128, speculative_method=method,
+               num_speculative_tokens=4, draft_layers=10)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert spec.engine.core.spec_stats.num_draft_tokens > 0
+    assert got == ref
+
+
+def test_logprobs_match_transformers_log_softmax():
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_mb=128)
+    out = llm.generate(
+        [[{"role": "user", "content": "Name a colour."}]],
+        SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True),
+    )[0]
+    directory, name = os.path.split(llm.engine.core.loaded.path)
+    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    start = len(out.prompt_token_ids) - 1
+    for step, lp in enumerate(out.outputs[0].logprobs):
+        assert abs(lp.logprob - float(ref[start + step, lp.token_id])) < 2e-3
+        for tok, value in lp.top:
+            assert abs(value - float(ref[start + step, tok])) < 2e-3
