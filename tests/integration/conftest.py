@@ -62,11 +62,11 @@ class Server:
 
 
 def serve_command() -> list[str]:
-    """`gemel serve` through the CLI when it dispatches there, else the server module itself."""
-    cli = Path(__file__).resolve().parents[2] / "gemel" / "cli.py"
-    if cli.exists() and "run_serve" in cli.read_text():
-        return [sys.executable, "-m", "gemel.cli", "serve"]
-    return [sys.executable, "-m", "gemel.api.server"]
+    """The `gemel serve` console script beside this interpreter, else the CLI module."""
+    script = Path(sys.executable).with_name("gemel")
+    if script.exists():
+        return [str(script), "serve"]
+    return [sys.executable, "-m", "gemel.cli", "serve"]
 
 
 def start_server(tmp: Path, name: str = "server", extra_config: str = "", ready_timeout: float = 240) -> Server:

@@ -108,7 +108,12 @@ def test_chat_stream_matches_unary(openai_client):
 def test_embeddings(openai_client, genai_client, fmt):
     texts = ["The cat sits on the mat.", "Stock markets fell."]
     r = openai_client.embeddings.create(model="text-embedding-3-small", input=texts, encoding_format=fmt)
-    vecs = np.array([d.embedding for d in r.data])
+    if fmt == "base64":  # asked for explicitly, the SDK hands the string over undecoded
+        vecs = np.array([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in r.data])
+    else:
+        vecs = np.array([d.embedding for d in r.data])
+    default = openai_client.embeddings.create(model="text-embedding-3-small", input=texts)  # base64 on the wire, decoded
+    assert np.allclose(vecs, np.array([d.embedding for d in default.data]), atol=1e-6)
     assert vecs.shape == (2, 384)
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-4)
     assert r.usage.prompt_tokens > 0

@@ -1,0 +1,197 @@
+"""What one ``gemel serve`` process serves: the model catalogue and its engines (SPEC F5).
+
+Hangs off ``app.state.gemel``; no module-level globals, so tests may build several apps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+from starlette.requests import Request
+
+from gemel.api.errors import APIError
+from gemel.config import EngineConfig, GemelConfig
+from gemel.engine.async_llm import AsyncLLM, EngineNotReadyError
+from gemel.loader import sources
+
+log = logging.getLogger("gemel.api")
+
+
+@dataclass
+class ServedModel:
+    """One catalogue entry as the API sees it: names, limits, and what runs it."""
+
+    id: str
+    kind: Literal["generate", "embed"]
+    version: str
+    aliases: list[str]
+    display_name: str
+    description: str
+    max_output_tokens: int
+    source: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    engine: AsyncLLM | None = None
+    encoder_task: asyncio.Task | None = None  # the embedding model, loading in a thread
+
+    @property
+    def model_version(self) -> str:
+        return f"{self.id}@{self.version}"
+
+    @property
+    def input_token_limit(self) -> int:
+        if self.engine is not None:
+            return self.engine.max_model_len
+        if self.encoder_task is not None and self.encoder_task.done() and not self.encoder_task.exception():
+            return self.encoder_task.result().max_seq_length
+        return 0
+
+    @property
+    def loaded(self) -> bool:
+        if self.engine is not None:
+            return self.engine.ready
+        return self.encoder_task is not None and self.encoder_task.done() and not self.encoder_task.exception()
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.gemel
+
+
+def mark_model(request: Request, model: ServedModel) -> None:
+    """Name the model that served this request in the response headers (SPEC F34)."""
+    request.state.model_id = model.id
+    request.state.model_version = model.version
+
+
+def serve_engine_config(config: GemelConfig, entry) -> EngineConfig:
+    """The entry's engine settings; unset CPU threads leave one core to the front end, whose
+    HTTP and detokenising work would otherwise fight the engine's threads at every step."""
+    engine = config.engine_config(entry)
+    if engine.num_threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        engine = engine.model_copy(update={"num_threads": max(1, cores - 1)})
+    return engine
+
+
+class ServerState:
+    def __init__(self, config: GemelConfig):
+        self.config = config
+        self.started_at = time.time()
+        self.models: list[ServedModel] = []
+        for entry in config.models:
+            sources.resolve(entry.source)  # fail at start-up, with the install hint, not per request
+            self.models.append(
+                ServedModel(
+                    id=entry.id,
+                    kind="generate",
+                    version=entry.version,
+                    aliases=list(entry.aliases),
+                    display_name=entry.display_name or entry.id,
+                    description=entry.description or f"{entry.id} served by gemel",
+                    max_output_tokens=entry.max_output_tokens,
+                    source=entry.source,
+                    engine=AsyncLLM(
+                        serve_engine_config(config, entry),
+                        stats_interval_s=config.server.stats_interval_s,
+                        log_level=config.server.log_level,
+                    ),
+                )
+            )
+        emb = config.embeddings
+        if emb is not None:
+            try:
+                sources.resolve(emb.source)
+                self.models.append(
+                    ServedModel(
+                        id=emb.id,
+                        kind="embed",
+                        version=emb.version,
+                        aliases=list(emb.aliases),
+                        display_name=emb.display_name or emb.id,
+                        description=f"{emb.id} sentence embeddings served by gemel",
+                        max_output_tokens=1,
+                        source=emb.source,
+                    )
+                )
+            except sources.ModelNotFound as e:
+                log.warning("no embedding model: %s", e)
+        self.by_name: dict[str, ServedModel] = {}
+        for m in self.models:
+            for name in [m.id, *m.aliases]:
+                self.by_name[name] = m
+        self.default = self.models[0]
+        self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemel-embed")
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for m in self.models:
+            if m.engine is not None:
+                await m.engine.start()
+            else:
+                m.encoder_task = asyncio.ensure_future(loop.run_in_executor(self._embed_executor, self._load_encoder, m))
+
+    def _load_encoder(self, m: ServedModel):
+        from gemel.embeddings import SentenceEncoder
+
+        emb = self.config.embeddings
+        encoder = SentenceEncoder(sources.resolve(m.source), num_threads=emb.num_threads if emb else 1)
+        log.info("embedding model %s ready (%d dimensions)", m.id, encoder.dimensions)
+        return encoder
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(m.engine.shutdown() for m in self.models if m.engine is not None))
+        self._embed_executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def engines(self) -> list[AsyncLLM]:
+        return [m.engine for m in self.models if m.engine is not None]
+
+    # -- lookups ------------------------------------------------------------------------
+    def resolve(self, name: str, surface: str = "gemini", api_version: str = "v1beta") -> ServedModel:
+        """A model by id or alias (``models/`` prefix allowed), else 404 in the surface's words."""
+        key = name.removeprefix("models/")
+        model = self.by_name.get(key)
+        if model is None:
+            if surface == "openai":
+                raise APIError(
+                    404,
+                    f"The model `{key}` does not exist or you do not have access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
+            raise APIError(
+                404,
+                f"models/{key} is not found for API version {api_version}. "
+                "Call ListModels to see the list of available models and their supported methods.",
+            )
+        return model
+
+    def generative(self, name: str, surface: str = "gemini", api_version: str = "v1beta", method: str = "generateContent") -> ServedModel:
+        model = self.resolve(name, surface, api_version)
+        if model.engine is None:
+            raise APIError(400, f"model {model.id} is an embedding model; it does not support {method}", param="model")
+        return model
+
+    def embedding(self, name: str, surface: str = "gemini", api_version: str = "v1beta", method: str = "embedContent") -> ServedModel:
+        model = self.resolve(name, surface, api_version)
+        if model.kind != "embed":
+            raise APIError(400, f"model {model.id} is a generative model; it does not support {method}", param="model")
+        return model
+
+    async def encoder(self, model: ServedModel, timeout: float):
+        try:
+            return await asyncio.wait_for(asyncio.shield(model.encoder_task), timeout)
+        except TimeoutError:
+            raise EngineNotReadyError(f"the embedding model {model.id} is still loading") from None
+
+    async def embed(self, model: ServedModel, texts: list[str], timeout: float):
+        """Unit vectors [len(texts), dims], computed in the embedding thread (never on the loop)."""
+        encoder = await self.encoder(model, timeout)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._embed_executor, encoder.embed, texts)

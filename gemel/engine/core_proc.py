@@ -1,0 +1,153 @@
+"""The engine core's own process: a loop that batches every pending input into the next step.
+
+As in vLLM V1, the child owns the scheduler and the model runner and sees only token ids;
+the front end (``async_llm``) tokenises, detokenises and streams. Two one-way pipes carry
+pickled dataclasses. The loop blocks on its input pipe when it has nothing to run (no busy
+spin), drains every pending input before each step, and sends one message back per step:
+the step's outputs, rejected requests, and the stats (also every ``stats_interval_s`` when
+idle, as a heartbeat).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+log = logging.getLogger("gemel.engine.proc")
+
+
+# -- messages, front end -> core ---------------------------------------------------------
+@dataclass
+class AddRequests:
+    requests: list[EngineCoreRequest]
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- messages, core -> front end ---------------------------------------------------------
+@dataclass
+class Ready:
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    load_time_s: float
+    pid: int
+
+
+@dataclass
+class Failed:
+    error: str
+
+
+@dataclass
+class StepResult:
+    outputs: list[EngineCoreOutput]
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
+    stats: EngineStats = field(default_factory=EngineStats)
+    time: float = 0.0  # monotonic clock of the child when sent
+
+
+def run_engine_core(config: dict[str, Any], input_conn: Any, output_conn: Any, stats_interval_s: float, log_level: str) -> None:
+    """Child-process entry point (spawn context): load the model, then serve steps until Shutdown."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
+    parent = os.getppid()
+    try:
+        from gemel.config import EngineConfig
+        from gemel.engine.core import EngineCore
+
+        core = EngineCore(EngineConfig(**config))
+    except Exception as e:  # the front end reports it and /readyz stays red
+        log.exception("engine failed to start")
+        output_conn.send(Failed(f"{type(e).__name__}: {e}"))
+        return
+    stats = core.stats()
+    output_conn.send(
+        Ready(
+            max_model_len=core.max_model_len,
+            vocab_size=core.loaded.arch.vocab_size,
+            num_blocks=stats.num_blocks,
+            block_size=core.config.block_size,
+            device=str(core.device),
+            dtype=str(core.dtype).removeprefix("torch."),
+            load_time_s=core.load_time_s,
+            pid=os.getpid(),
+        )
+    )
+    EngineLoop(core, input_conn, output_conn, stats_interval_s, parent).run()
+
+
+class EngineLoop:
+    def __init__(self, core: Any, input_conn: Any, output_conn: Any, stats_interval_s: float, parent_pid: int):
+        self.core = core
+        self.input_conn = input_conn
+        self.output_conn = output_conn
+        self.stats_interval_s = stats_interval_s
+        self.parent_pid = parent_pid
+        self.running = True
+
+    def run(self) -> None:
+        last_sent = 0.0
+        while self.running:
+            idle = not self.core.has_unfinished()
+            messages = self._receive(block=idle)
+            if idle and not messages and os.getppid() != self.parent_pid:
+                log.warning("front end is gone; engine exits")
+                return
+            rejected: list[tuple[str, str]] = []
+            changed = self._handle(messages, rejected)
+            outputs = self.core.step() if self.core.has_unfinished() else []
+            now = time.monotonic()
+            if outputs or rejected or changed or now - last_sent >= self.stats_interval_s:
+                try:
+                    self.output_conn.send(StepResult(outputs, rejected, self.core.stats(), now))
+                except (BrokenPipeError, EOFError, OSError):
+                    return
+                last_sent = now
+
+    def _receive(self, block: bool) -> list:
+        """Every message waiting now; when idle, wait (up to the stats interval) for the first."""
+        messages = []
+        conn = self.input_conn
+        try:
+            if block and not conn.poll(self.stats_interval_s):
+                return messages
+            while conn.poll():
+                messages.append(conn.recv())
+        except (EOFError, OSError):  # the front end is gone
+            self.running = False
+        return messages
+
+    def _handle(self, messages: list, rejected: list[tuple[str, str]]) -> bool:
+        changed = False
+        for msg in messages:
+            if isinstance(msg, AddRequests):
+                for req in msg.requests:
+                    try:
+                        self.core.add_request(req)
+                    except ValueError as e:
+                        rejected.append((req.request_id, str(e)))
+                changed = True
+            elif isinstance(msg, AbortRequests):
+                self.core.abort(msg.request_ids)
+                changed = True
+            elif isinstance(msg, Shutdown):
+                self.running = False
+        return changed
