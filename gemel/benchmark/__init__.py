@@ -1,0 +1,1 @@
+"""Client-side benchmarks (``gemel bench serve``)."""
