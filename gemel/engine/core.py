@@ -109,6 +109,7 @@ class EngineCore:
             priority=req.params.priority,
             tenant=req.tenant,
             max_model_len=self.max_model_len,
+            quota=req.quota,
         )
         if req.params.structured_output is not None:
             self._structured().add(req.request_id, req.params.structured_output)

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from gemel.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's share of the engine (F15), enforced when its requests are admitted."""
+
+    max_running_seqs: int | None = None
+    max_kv_blocks_share: float | None = None  # fraction of all KV blocks, 0..1
+
+
 @dataclass
 class EngineCoreRequest:
     request_id: str
@@ -15,6 +23,7 @@ class EngineCoreRequest:
     arrival_time: float
     tenant: str = ""
     fork_of: str | None = None  # candidate i > 0 of an n-request: share candidate 0's prompt KV
+    quota: TenantQuota | None = None
 
 
 @dataclass

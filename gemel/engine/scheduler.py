@@ -138,6 +138,8 @@ class Scheduler:
                 break
             if not self.is_ready(seq):  # e.g. its grammar is still compiling: let others pass
                 continue
+            if seq.quota is not None and not self._within_quota(seq):  # its tenant is at its share
+                continue
             cached_ids: list[int] = []
             cached_hashes: list[int] = []
             if seq.num_computed_tokens == 0:
@@ -164,6 +166,19 @@ class Scheduler:
             taken = {id(s) for s in admitted}
             self.waiting = [s for s in self.waiting if id(s) not in taken]
         return out
+
+    def _within_quota(self, seq: Sequence) -> bool:
+        """Tenant quotas (F15): running-sequence cap and KV-block share, checked at admission."""
+        quota = seq.quota
+        mine = [s for s in self.running if s.tenant == seq.tenant]
+        if quota.max_running_seqs is not None and len(mine) >= quota.max_running_seqs:
+            return False
+        if quota.max_kv_blocks_share is not None:
+            held = sum(len(s.block_table) for s in mine)
+            need = -(-seq.num_tokens // self.block_manager.block_size) - len(seq.block_table)
+            if mine and held + need > quota.max_kv_blocks_share * self.block_manager.num_blocks:
+                return False
+        return True
 
     def _preempt_for_waiting(self, now: float, out: SchedulerOutput) -> None:
         """Let a more important waiting request take blocks from less important running ones."""

@@ -39,6 +39,7 @@ class Sequence:
     priority: int = 1
     tenant: str = ""
     max_model_len: int = 1 << 30
+    quota: object | None = None  # TenantQuota of the tenant, if any
 
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0

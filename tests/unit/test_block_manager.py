@@ -135,3 +135,30 @@ def test_aging_lets_batch_class_overtake():
     sched.add(fresh_p0)
     out = sched.schedule()
     assert [s.seq_id for s, _ in out.scheduled] == ["batch"]
+
+
+def test_tenant_quotas_cap_running_sequences_and_kv_share():
+    from gemel.engine.protocol import TenantQuota
+
+    bm = BlockManager(20, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1000), bm, clock=lambda: 0.0)
+    capped = TenantQuota(max_running_seqs=2)
+    for i in range(4):
+        s = seq(f"a{i}", [1, 2, 3])
+        s.tenant, s.quota = "a", capped
+        sched.add(s)
+    other = seq("b0", [4, 5, 6])
+    other.tenant = "b"
+    sched.add(other)
+    out = sched.schedule()
+    assert sorted(s.seq_id for s, _ in out.scheduled) == ["a0", "a1", "b0"]  # b is not held back by a
+
+    bm2 = BlockManager(20, 4)
+    sched2 = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1000), bm2, clock=lambda: 0.0)
+    share = TenantQuota(max_kv_blocks_share=0.25)  # 5 of 20 blocks
+    for i in range(3):
+        s = seq(f"k{i}", list(range(8)))  # 2 blocks each
+        s.tenant, s.quota = "k", share
+        sched2.add(s)
+    out = sched2.schedule()
+    assert len(out.scheduled) == 2  # a third would hold 6 blocks > 5
