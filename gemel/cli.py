@@ -69,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         serve = sub.add_parser("serve", help="serve the Gemini and OpenAI APIs")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser(
+        "serve", help="load-test any OpenAI-compatible server (vllm bench serve's metrics)"
+    )
+    from gemel.benchmark.serve import add_bench_serve_arguments, run_bench_serve
+
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=run_bench_serve)
     return parser
 
 
