@@ -23,6 +23,7 @@ from gemel.api.errors import APIError, as_api_error, gemini_error, invalid
 from gemel.api.inputs import build_params, check_gemini_base64, gemini_messages, gemini_parts_text
 from gemel.api.lifecycle import Deadline, collect, first_output, guarded
 from gemel.api.state import ServedModel, mark_model, state_of
+from gemel.api.structured import gemini_spec
 from gemel.embeddings.encoder import truncate
 from gemel.engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
 from gemel.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ FINISH_REASON = {"stop": "STOP", "length": "MAX_TOKENS", "abort": "OTHER"}
 HONOURED = {
     "candidate_count", "stop_sequences", "max_output_tokens", "temperature", "top_p", "top_k", "seed",
     "presence_penalty", "frequency_penalty", "response_logprobs", "logprobs", "response_mime_type",
-    "response_modalities",
+    "response_modalities", "response_schema", "response_json_schema",
 }
 IGNORED = {"thinking_config"}
 # SamplingParams field -> the Gemini name its validation errors should carry.
@@ -101,17 +102,15 @@ def sampling_params(req, model: ServedModel) -> SamplingParams:
                 f"generationConfig.{camel(fd.name)} is not supported by gemel yet",
                 param=f"generationConfig.{camel(fd.name)}",
             )
-    mime = gc.response_mime_type.strip().lower()
-    if mime and mime != "text/plain":
-        raise invalid(
-            f"generationConfig.responseMimeType {gc.response_mime_type!r} is not supported yet "
-            "(structured output comes later); use text/plain",
-            param="generationConfig.responseMimeType",
-        )
+    structured = gemini_spec(
+        gc.response_mime_type,
+        json_format.MessageToDict(gc.response_schema) if gc.HasField("response_schema") else None,
+        json_format.MessageToDict(gc.response_json_schema) if gc.HasField("response_json_schema") else None,
+    )
     text_modality = _types().GenerationConfig.Modality.TEXT
     if any(m != text_modality for m in gc.response_modalities):
         raise invalid("generationConfig.responseModalities: only TEXT is supported", param="generationConfig.responseModalities")
-    kwargs: dict = {"stop": list(gc.stop_sequences)}
+    kwargs: dict = {"stop": list(gc.stop_sequences), "structured_output": structured}
     if gc.HasField("max_output_tokens"):
         if gc.max_output_tokens < 1:
             raise invalid(

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gemel.api.auth import Principal, authenticate
 from gemel.api.errors import as_api_error, invalid, openai_error
 from gemel.api.inputs import build_params, openai_messages
+from gemel.api.structured import openai_spec
 from gemel.api.lifecycle import Collector, Deadline, collect, first_output, guarded
 from gemel.api.state import ServedModel, mark_model, state_of
 from gemel.embeddings.encoder import truncate
@@ -108,11 +110,6 @@ def _refuse(body: BaseModel) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.functions or body.tool_choice not in (None, "none", "auto"):
             raise invalid("tools are not supported by gemel yet", param="tools")
-        fmt = (body.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise invalid(
-                f"response_format {fmt!r} is not supported yet (structured output comes later)", param="response_format"
-            )
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise invalid("suffix is not supported", param="suffix")
@@ -295,6 +292,10 @@ async def _generate(
     _refuse(body)
     deadline = Deadline.from_request(request, st.config.server)
     params = _params(body, model, max_tokens, logprobs)
+    if kind == "chat":
+        structured = openai_spec(body.response_format)
+        if structured is not None:
+            params = replace(params, structured_output=structured)
     engine = model.engine
     await guarded(request, engine.wait_ready(min(deadline.remaining(), st.config.server.engine_ready_timeout_s)), deadline)
     prompts: list[Prompt] = prompts_of(engine.tokenizer, model)

@@ -90,3 +90,26 @@ def test_invalid_schema_is_reported():
     assert validate(StructuredOutputSpec("json_schema", '{"type": "nonsense"}'))
     assert validate(StructuredOutputSpec("json_schema", "{not json"))
     assert validate(StructuredOutputSpec("json_schema", json.dumps(SCHEMAS[0]))) is None
+
+
+def test_gemini_openapi_schema_translation():
+    from gemel.api.structured import openapi_to_json_schema
+
+    gemini = {
+        "type": "OBJECT",
+        "properties": {
+            "name": {"type": "STRING", "maxLength": "10"},
+            "kind": {"type": "STRING", "format": "enum", "enum": ["a", "b"]},
+            "n": {"type": "INTEGER", "nullable": True, "minimum": 1},
+            "xs": {"type": "ARRAY", "items": {"type": "NUMBER"}, "maxItems": "3"},
+        },
+        "required": ["name", "kind"],
+        "propertyOrdering": ["kind", "name"],
+    }
+    out = openapi_to_json_schema(gemini)
+    assert out["type"] == "object" and list(out["properties"])[:2] == ["kind", "name"]
+    assert out["properties"]["name"] == {"type": "string", "maxLength": 10}
+    assert out["properties"]["kind"] == {"enum": ["a", "b"]}
+    assert out["properties"]["n"] == {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
+    assert out["properties"]["xs"] == {"type": "array", "items": {"type": "number"}, "maxItems": 3}
+    jsonschema.validate({"name": "x", "kind": "a", "n": None, "xs": [1.5]}, out)
