@@ -16,27 +16,42 @@ from gemel.engine.structured_output import StructuredOutputSpec
 pytestmark = pytest.mark.slow
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
      "required": ["name", "age"]},
     {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
     {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
                                                 "minItems": 1, "maxItems": 3}}, "required": ["items"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}}, "required": ["ok", "score"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number", "minimum": 0, "maximum": 100}}, "required": ["ok", "score"]},
     {"type": "object", "properties": {"address": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 15}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
         "required": ["city", "zip"]}}, "required": ["address"]},
     {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["n"]},
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
-                                      "count": {"type": "integer"}}, "required": ["tags", "count"]},
+                                      "count": {"type": "integer", "minimum": 0, "maximum": 100}}, "required": ["tags", "count"]},
     {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
                                       "year": {"type": "integer", "minimum": 1900, "maximum": 2030}},
      "required": ["title", "year"]},
     {"type": "object", "properties": {"points": {"type": "array", "maxItems": 3, "items": {
-        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}}},
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": -999, "maximum": 999}, "y": {"type": "integer", "minimum": -999, "maximum": 999}}, "required": ["x", "y"]}}},
      "required": ["points"]},
     {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "reason": {"type": "string", "maxLength": 40}},
      "required": ["answer", "reason"]},
 ]
+
+
+def _closed(schema):
+    """additionalProperties: false on every object, as OpenAI's strict mode requires: without it
+    a small model may keep inventing keys until max_tokens."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if schema.get("type") == "object":
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [_closed(v) for v in schema]
+    return schema
+
+
+SCHEMAS = [_closed(s) for s in SCHEMAS]
 PROMPT = "Reply with a JSON object that fits this request: describe something interesting."
 
 
@@ -48,7 +63,7 @@ def test_200_structured_generations_validate(model, dtype):
     for s_index, schema in enumerate(SCHEMAS):
         spec = StructuredOutputSpec("json_schema", json.dumps(schema))
         params = [
-            SamplingParams(temperature=0.8, seed=100 * s_index + i, max_tokens=96, structured_output=spec)
+            SamplingParams(temperature=0.8, seed=100 * s_index + i, max_tokens=160, structured_output=spec)
             for i in range(10)
         ]
         for out in llm.generate([prompt] * 10, params):
