@@ -32,7 +32,7 @@ class Linear(nn.Module):
             bias = biases[0] if len(biases) == 1 else torch.cat(biases, dim=0)
         return cls(weight, bias)
 
-    def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 64) -> None:
+    def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 32) -> None:
         """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows."""
         w = self.weight.detach().float()
         if mode == "int8":
