@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         serve = sub.add_parser("serve", help="serve the Gemini and OpenAI APIs")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
+
+    from gemel.gateway.cli import add_keys_arguments  # gemel keys create | ed25519 | set | list | revoke
+
+    add_keys_arguments(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser(

@@ -111,6 +111,82 @@ class ServerConfig(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class ObservabilityConfig(BaseModel):
+    """Metrics, tracing, the dashboard and the periodic stats log (SPEC F60-F63)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    log_stats_interval_s: float = Field(
+        10.0, ge=0, description="period of the one-line stats log (only logged after activity); 0 disables it"
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint, e.g. http://localhost:4318/v1/traces; null: no export (default)",
+    )
+    otlp_headers: dict[str, str] = Field(default_factory=dict, description="extra headers sent to the OTLP endpoint")
+    service_name: str = Field("gemel", description="OpenTelemetry service.name of exported spans")
+    trace_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="share of new traces recorded (a caller's sampled flag is always followed)"
+    )
+    trace_memory_exporter: bool = Field(
+        False, description="testing only: keep finished spans in memory and expose them at /internal/traces"
+    )
+    dashboard: bool = Field(True, description="serve the live dashboard at /dashboard")
+    token_timeline_size: int = Field(
+        20000, ge=100, description="recent output tokens kept for the dashboard's per-token latency heatmap"
+    )
+
+
+class QueueLimits(BaseModel):
+    """Requests of each priority class that may wait for their first token at once (F43)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    P0: int = Field(256, ge=0, description="critical")
+    P1: int = Field(256, ge=0, description="standard")
+    P2: int = Field(256, ge=0, description="batch")
+
+
+class GatewayConfig(BaseModel):
+    """Tenants, keys, rate limits and admission (SPEC F40-F43; ``gemel.gateway``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenants_file: str | None = Field(
+        None,
+        description="tenants YAML (gemel keys writes it); relative paths are relative to this config file. "
+        "null: one anonymous tenant, loopback only",
+    )
+    insecure: bool = Field(False, description="allow unauthenticated serving on a non-loopback address")
+    queue_limits: QueueLimits = Field(default_factory=QueueLimits)
+    queue_retry_after_s: float = Field(1.0, gt=0, description="Retry-After of a 503 when a class queue is full")
+    public_paths: list[str] = Field(
+        default_factory=lambda: ["/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/openapi.json"],
+        description="paths served without credentials (and without limits)",
+    )
+    reload_interval_s: float = Field(1.0, gt=0, description="how often the tenants file is checked for changes")
+
+
+class GrpcConfig(BaseModel):
+    """The Gemini gRPC listener of ``gemel serve`` (SPEC F31, F75; ``gemel.api.grpc_server``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="serve google.ai.generativelanguage.v1beta.GenerativeService over gRPC")
+    host: str | None = Field(None, description="listen address; null: the same as server.host")
+    port: int = Field(50051, ge=0, le=65535, description="listen port (0 picks a free one)")
+    tls_cert_file: str | None = Field(None, description="PEM certificate chain; with tls_key_file the port speaks TLS")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file")
+    max_message_mb: int = Field(64, ge=1, description="largest request or response message")
+    reflection: bool = Field(True, description="serve gRPC server reflection (grpcurl, grpcui)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GrpcConfig:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("grpc.tls_cert_file and grpc.tls_key_file go together: set both or neither")
+        return self
+
+
 class GemelConfig(BaseModel):
     """Top-level configuration (``gemel serve --config gemel.yaml``)."""
 
@@ -122,6 +198,9 @@ class GemelConfig(BaseModel):
         default_factory=list, description="generative models served; default: engine.model with the stock aliases"
     )
     embeddings: EmbeddingModelEntry | None = Field(default_factory=EmbeddingModelEntry)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
 
     @model_validator(mode="after")
     def _default_catalogue(self) -> GemelConfig:
@@ -157,4 +236,17 @@ def load_config(path: str | None) -> GemelConfig:
 
     with open(path) as f:
         data = yaml.safe_load(f) or {}
-    return GemelConfig.model_validate(data)
+    config = GemelConfig.model_validate(data)
+    tenants = config.gateway.tenants_file
+    if tenants:  # relative to the config file, wherever gemel serve is started from
+        import os
+
+        tenants = os.path.expanduser(tenants)
+        config.gateway.tenants_file = os.path.join(os.path.dirname(os.path.abspath(path)), tenants)
+    for name in ("tls_cert_file", "tls_key_file"):  # relative to the config file too
+        value = getattr(config.grpc, name)
+        if value:
+            import os
+
+            setattr(config.grpc, name, os.path.join(os.path.dirname(os.path.abspath(path)), os.path.expanduser(value)))
+    return config

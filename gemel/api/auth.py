@@ -1,17 +1,17 @@
-"""Who is calling. No key is required yet; the gateway (SPEC F40) replaces ``authenticate``
-through FastAPI's dependency overrides to check keys and name the tenant."""
+"""Who is calling: the ``Principal`` the gateway middleware authenticated (SPEC F40, F41).
+
+Keys and signatures are checked by ``gemel.gateway.middleware.GatewayMiddleware`` before a
+route runs; ``authenticate`` only hands the routes its result. Without the middleware (an
+app assembled by hand) every caller is the anonymous principal.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from starlette.requests import Request
 
+from gemel.gateway.principal import Principal
 
-@dataclass
-class Principal:
-    api_key: str | None
-    tenant: str = ""
+__all__ = ["Principal", "api_key_of", "authenticate"]
 
 
 def api_key_of(request: Request) -> str | None:
@@ -26,4 +26,5 @@ def api_key_of(request: Request) -> str | None:
 
 
 async def authenticate(request: Request) -> Principal:
-    return Principal(api_key=api_key_of(request))
+    principal = request.scope.get("state", {}).get("principal")
+    return principal if isinstance(principal, Principal) else Principal()

@@ -64,6 +64,7 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None  # OpenAI's machine-readable code (e.g. "model_not_found")
     retry_after_s: float | None = None
+    details: list[dict] | None = None  # extra google.rpc details on the Gemini surface (e.g. ErrorInfo)
 
     def __str__(self) -> str:
         return self.message
@@ -89,7 +90,7 @@ def surface_of(path: str) -> Surface:
 
 def gemini_error(err: APIError) -> dict:
     body: dict = {"code": err.status, "message": err.message, "status": GOOGLE_STATUS.get(err.status, "UNKNOWN")}
-    details = []
+    details = list(err.details or [])
     if err.param:
         details.append(
             {

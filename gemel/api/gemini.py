@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import APIRouter, Depends, Request
 from google.protobuf import json_format
@@ -22,7 +22,7 @@ from gemel.api.auth import Principal, authenticate
 from gemel.api.errors import APIError, as_api_error, gemini_error, invalid
 from gemel.api.inputs import build_params, check_gemini_base64, gemini_messages, gemini_parts_text
 from gemel.api.lifecycle import Deadline, collect, first_output, guarded
-from gemel.api.state import ServedModel, mark_model, state_of
+from gemel.api.state import ServedModel, ServerState, mark_model, state_of
 from gemel.api.structured import gemini_spec
 from gemel.embeddings.encoder import truncate
 from gemel.engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
@@ -226,14 +226,15 @@ class ResponseBuilder:
 
 # -- the generation routes ---------------------------------------------------------------
 class GenerateJob:
-    """A parsed, validated generateContent request, ready for the engine."""
+    """A parsed, validated generateContent request, ready for the engine.
 
-    def __init__(self, request: Request, model_name: str, body: dict, method: str):
-        self.state = state_of(request)
-        self.model = self.state.generative(model_name, "gemini", api_version(request), method)
-        mark_model(request, self.model)
-        self.deadline = Deadline.from_request(request, self.state.config.server)
-        req = parse(body, _types().GenerateContentRequest)
+    Transport-agnostic: the REST routes build one with ``from_http``, the gRPC surface
+    (``gemel.api.grpc_server``) with the proto it received; both then ``launch`` it."""
+
+    def __init__(self, state: ServerState, model: ServedModel, req, deadline: Deadline):
+        self.state = state
+        self.model = model
+        self.deadline = deadline
         refuse_unsupported(req)
         self.params = sampling_params(req, self.model)
         engine = self.model.engine
@@ -243,19 +244,42 @@ class GenerateJob:
         )
         self.request_id = uuid.uuid4().hex
 
-    async def start(self, request: Request, principal: Principal) -> AsyncIterator[RequestOutput]:
+    @classmethod
+    def from_http(cls, request: Request, model_name: str, body: dict, method: str) -> GenerateJob:
+        state = state_of(request)
+        model = state.generative(model_name, "gemini", api_version(request), method)
+        mark_model(request, model)
+        deadline = Deadline.from_request(request, state.config.server)
+        return cls(state, model, parse(body, _types().GenerateContentRequest), deadline)
+
+    def wait_ready(self) -> Awaitable[None]:
+        """The engine's readiness, bounded by the deadline (the caller guards it)."""
+        return self.engine.wait_ready(min(self.deadline.remaining(), self.state.config.server.engine_ready_timeout_s))
+
+    async def launch(self, principal: Principal) -> AsyncIterator[RequestOutput]:
+        """Tokenise and hand the request to the engine; every surface goes through here."""
         engine = self.engine
-        await guarded(request, engine.wait_ready(min(self.deadline.remaining(), self.state.config.server.engine_ready_timeout_s)), self.deadline)
         tok = engine.tokenizer
         prompt = tok.apply_chat_template(self.messages, add_generation_prompt=True)
         prompt_ids = tok.encode_chat(self.messages, add_generation_prompt=True)
         self.builder = ResponseBuilder(self.model, len(prompt_ids), self.params.logprobs, tok)
-        return engine.generate(self.request_id, prompt, prompt_ids, self.params, principal.tenant, self.deadline.at)
+        # the gateway (F42, F43): class queue bound and tokens/min reservation, then the tenant's
+        # class as the engine priority (F14) and its engine quota (F15)
+        self.params.priority = principal.priority_for(None)
+        await principal.admit_generation(len(prompt_ids), self.params.max_tokens * self.params.n)
+        stream = engine.generate(
+            self.request_id, prompt, prompt_ids, self.params, principal.tenant, self.deadline.at, quota=principal.quota
+        )
+        return principal.meter(stream)
+
+    async def start(self, request: Request, principal: Principal) -> AsyncIterator[RequestOutput]:
+        await guarded(request, self.wait_ready(), self.deadline)
+        return await self.launch(principal)
 
 
 @router.post("/models/{model}:generateContent", summary="Gemini generateContent")
 async def generate_content(model: str, request: Request, principal: Principal = Depends(authenticate)) -> Response:
-    job = GenerateJob(request, model, await read_json(request), "generateContent")
+    job = GenerateJob.from_http(request, model, await read_json(request), "generateContent")
     stream = await job.start(request, principal)
     out = await collect(request, stream, job.deadline)
     return JSONResponse(job.builder.unary(out))
@@ -266,7 +290,7 @@ async def stream_generate_content(model: str, request: Request, principal: Princ
     alt = request.query_params.get("alt") or request.query_params.get("$alt") or "json"
     if alt not in ("sse", "json"):
         raise invalid(f"alt must be sse or json (got {alt!r})", param="alt")
-    job = GenerateJob(request, model, await read_json(request), "streamGenerateContent")
+    job = GenerateJob.from_http(request, model, await read_json(request), "streamGenerateContent")
     stream = await job.start(request, principal)
     first = await guarded(request, first_output(stream), job.deadline)  # errors so far get a real status
     sse = alt == "sse"
@@ -312,6 +336,11 @@ async def count_tokens(model: str, request: Request, principal: Principal = Depe
     served = st.resolve(model, "gemini", api_version(request))
     mark_model(request, served)
     req = parse(await read_json(request), _types().CountTokensRequest)
+    return JSONResponse(await count_tokens_result(st, served, req))
+
+
+async def count_tokens_result(st: ServerState, served: ServedModel, req) -> dict:
+    """CountTokensResponse JSON for a parsed request (REST and gRPC)."""
     if req.HasField("generate_content_request"):
         inner = req.generate_content_request
         contents, system = inner.contents, inner.system_instruction if inner.HasField("system_instruction") else None
@@ -329,7 +358,7 @@ async def count_tokens(model: str, request: Request, principal: Principal = Depe
         if engine.tokenizer is None:
             raise APIError(503, "the model is still loading; retry shortly", retry_after_s=5)
         total = len(engine.tokenizer.encode_chat(messages, add_generation_prompt=True))
-    return JSONResponse({"totalTokens": total, "promptTokensDetails": [{"modality": "TEXT", "tokenCount": total}]})
+    return {"totalTokens": total, "promptTokensDetails": [{"modality": "TEXT", "tokenCount": total}]}
 
 
 # -- embeddings ----------------------------------------------------------------------------
@@ -353,6 +382,28 @@ def _values(vec) -> list[float]:
     return [float(x) if math.isfinite(x) else 0.0 for x in vec.tolist()]
 
 
+def check_batch_size(st: ServerState, req) -> None:
+    if not req.requests:
+        raise invalid("requests is not specified", param="requests")
+    limit = st.config.embeddings.max_batch if st.config.embeddings else 100
+    if len(req.requests) > limit:
+        raise invalid(f"requests: at most {limit} requests are allowed in a batch (got {len(req.requests)})", param="requests")
+
+
+def batch_embed_inputs(
+    st: ServerState, served: ServedModel, req, dimensions: int, version: str, outer: str
+) -> tuple[list[str], list[int | None]]:
+    """The texts and output sizes of a BatchEmbedContentsRequest (REST and gRPC)."""
+    texts, dims = [], []
+    for i, r in enumerate(req.requests):
+        where = f"requests[{i}]."
+        if r.model and st.resolve(r.model, "gemini", version) is not served:
+            raise invalid(f"{where}model: {r.model} differs from {outer}", param=f"{where}model")
+        texts.append(_embed_text(r, where, served.id))
+        dims.append(_dimensions(r, where, dimensions))
+    return texts, dims
+
+
 @router.post("/models/{model}:embedContent", summary="Gemini embedContent")
 async def embed_content(model: str, request: Request, principal: Principal = Depends(authenticate)) -> Response:
     st = state_of(request)
@@ -374,21 +425,9 @@ async def batch_embed_contents(model: str, request: Request, principal: Principa
     mark_model(request, served)
     deadline = Deadline.from_request(request, st.config.server)
     req = parse(await read_json(request), _types().BatchEmbedContentsRequest)
-    if not req.requests:
-        raise invalid("requests is not specified", param="requests")
-    limit = st.config.embeddings.max_batch if st.config.embeddings else 100
-    if len(req.requests) > limit:
-        raise invalid(f"requests: at most {limit} requests are allowed in a batch (got {len(req.requests)})", param="requests")
+    check_batch_size(st, req)
     encoder = await guarded(request, st.encoder(served, deadline.remaining()), deadline)
-    texts, dims = [], []
-    for i, r in enumerate(req.requests):
-        where = f"requests[{i}]."
-        if r.model and st.resolve(r.model, "gemini", api_version(request)) is not served:
-            raise invalid(
-                f"{where}model: {r.model} differs from the model in the URL (models/{model})", param=f"{where}model"
-            )
-        texts.append(_embed_text(r, where, served.id))
-        dims.append(_dimensions(r, where, encoder.dimensions))
+    texts, dims = batch_embed_inputs(st, served, req, encoder.dimensions, api_version(request), f"the model in the URL (models/{model})")
     vectors = await guarded(request, st.embed(served, texts, deadline.remaining()), deadline)
     return JSONResponse({"embeddings": [{"values": _values(truncate(vectors[i : i + 1], d)[0])} for i, d in enumerate(dims)]})
 

@@ -39,8 +39,9 @@ class ResponseHeadersMiddleware:
         start = time.perf_counter()
         headers = Headers(scope=scope)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        traceparent = child_traceparent(headers.get("traceparent"))
         state = scope.setdefault("state", {})
+        # The tracing middleware (outside this one) names the request's span; else a fresh id.
+        traceparent = state.get("traceparent") or child_traceparent(headers.get("traceparent"))
         state["request_id"] = request_id
         state["traceparent"] = traceparent
 

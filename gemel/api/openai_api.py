@@ -301,11 +301,18 @@ async def _generate(
     prompts: list[Prompt] = prompts_of(engine.tokenizer, model)
     fmt = Formatter(kind, body.model, engine.tokenizer, logprobs)
     n = params.n
-    tenant = principal.tenant if principal else ""
-    streams = [
-        engine.generate(uuid.uuid4().hex, p.text, p.ids, params, tenant, deadline.at) for p in prompts
-    ]
+    principal = principal or Principal()
     prompt_tokens = sum(len(p.ids) for p in prompts)
+    # the gateway (F42, F43): class queue bound and tokens/min reservation, then the tenant's
+    # class as the engine priority (F14; a tenant may only lower it) and its engine quota (F15)
+    params.priority = principal.priority_for(body.priority)
+    await principal.admit_generation(prompt_tokens, params.max_tokens * n * len(prompts))
+    streams = [
+        principal.meter(
+            engine.generate(uuid.uuid4().hex, p.text, p.ids, params, principal.tenant, deadline.at, quota=principal.quota), i
+        )
+        for i, p in enumerate(prompts)
+    ]
 
     if not body.stream:
         if len(streams) == 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from gemel.config import GemelConfig, default_model_entry, load_config
@@ -21,6 +22,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="engine dtype")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
     parser.add_argument("--no-embeddings", action="store_true", help="do not load the embedding model")
+    parser.add_argument("--grpc-port", type=int, metavar="N", help="Gemini gRPC port (default 50051; 0 picks a free one)")
+    parser.add_argument("--no-grpc", action="store_true", help="do not serve the Gemini gRPC API")
+    parser.add_argument("--tenants", metavar="PATH", help="tenants file: API keys, signing keys, limits (see `gemel keys`)")
+    parser.add_argument(
+        "--insecure", action="store_true", help="allow serving without authentication on a non-loopback address"
+    )
 
 
 def apply_overrides(config: GemelConfig, args: argparse.Namespace) -> GemelConfig:
@@ -36,6 +43,15 @@ def apply_overrides(config: GemelConfig, args: argparse.Namespace) -> GemelConfi
         data["engine"]["dtype"] = args.dtype
     if getattr(args, "no_embeddings", False):
         data["embeddings"] = None
+    if getattr(args, "grpc_port", None) is not None:
+        data["grpc"]["port"] = args.grpc_port
+        data["grpc"]["enabled"] = True
+    if getattr(args, "no_grpc", False):
+        data["grpc"]["enabled"] = False
+    if getattr(args, "tenants", None):
+        data["gateway"]["tenants_file"] = os.path.abspath(args.tenants)
+    if getattr(args, "insecure", False):
+        data["gateway"]["insecure"] = True
     if args.model:
         first = data["models"][0]
         if first["id"] == config.engine.model and first["source"] == config.engine.model:
@@ -46,22 +62,101 @@ def apply_overrides(config: GemelConfig, args: argparse.Namespace) -> GemelConfi
     return GemelConfig.model_validate(data)
 
 
+def gateway_problem(config: GemelConfig) -> str | None:
+    """Why the gateway settings cannot serve (SPEC F40), or None: no auth on a public address."""
+    from gemel.gateway.gateway import binds_loopback_only
+
+    gw = config.gateway
+    if gw.tenants_file:
+        if not os.path.exists(gw.tenants_file):
+            return f"tenants file {gw.tenants_file} does not exist (create it with `gemel keys create`)"
+        from gemel.gateway.tenants import load_tenants
+
+        try:
+            load_tenants(gw.tenants_file)
+        except (OSError, ValueError) as e:
+            return f"bad tenants file {gw.tenants_file}: {e}"
+        return None
+    if not gw.insecure and not binds_loopback_only(config.server.host):
+        return (
+            f"refusing to serve {config.server.host} without authentication: give a tenants file "
+            "(--tenants PATH, see `gemel keys create`) or pass --insecure"
+        )
+    return None
+
+
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (e.g. in use), or None. A friendly early
+    check; the listener's own bind still decides."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        return str(e)
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener does
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def grpc_problem(config: GemelConfig) -> str | None:
+    """Why the gRPC listener cannot serve as configured (SPEC F31, F75), or None."""
+    g = config.grpc
+    if not g.enabled:
+        return None
+    for what, path in (("certificate", g.tls_cert_file), ("key", g.tls_key_file)):
+        if path and not os.access(path, os.R_OK):
+            return f"grpc: TLS {what} file {path} is missing or unreadable"
+    if g.tls_cert_file:
+        import grpc
+
+        from gemel.api.grpc_server import server_credentials
+
+        try:
+            server_credentials(g)
+        except (OSError, ValueError, grpc.RpcError) as e:
+            return f"grpc: TLS files unusable: {e}"
+    host = g.host or config.server.host
+    if g.port:
+        busy = port_unavailable(host, g.port)
+        if busy:
+            return f"gRPC port {host}:{g.port} is unavailable ({busy}); choose another with --grpc-port N, or --no-grpc"
+    if g.host and not config.gateway.tenants_file and not config.gateway.insecure:
+        from gemel.gateway.gateway import binds_loopback_only
+
+        if not binds_loopback_only(host):
+            return (
+                f"refusing to serve gRPC on {host} without authentication: give a tenants file "
+                "(--tenants PATH) or pass --insecure"
+            )
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gemel.api.app import create_app
     from gemel.loader.sources import ModelNotFound
+    from gemel.observability.tracing import OTLPExporterMissing
 
     try:
         config = apply_overrides(load_config(args.config), args)
     except (OSError, ValueError) as e:
         print(f"gemel serve: bad configuration: {e}", file=sys.stderr)
         return 2
+    problem = gateway_problem(config) or grpc_problem(config)
+    if problem:
+        print(f"gemel serve: {problem}", file=sys.stderr)
+        return 2
     level = config.server.log_level
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        app = create_app(config)
-    except ModelNotFound as e:
+        app = create_app(config, grpc=True)
+    except (ModelNotFound, OTLPExporterMissing) as e:
         print(f"gemel serve: {e}", file=sys.stderr)
         return 2
     logging.getLogger("gemel").info(

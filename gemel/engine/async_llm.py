@@ -23,8 +23,9 @@ from dataclasses import replace
 from gemel.config import EngineConfig
 from gemel.engine.core_proc import AbortRequests, AddRequests, Failed, Ready, Shutdown, StepResult, run_engine_core
 from gemel.engine.output_processor import OutputProcessor, RequestOutput, RequestState, child_params
-from gemel.engine.protocol import EngineCoreRequest, EngineStats
+from gemel.engine.protocol import EngineCoreRequest, EngineStats, TenantQuota
 from gemel.loader.tokenizer import Tokenizer
+from gemel.observability.stats import EngineObserver, IterationStats
 from gemel.sampling_params import SamplingParams
 
 log = logging.getLogger("gemel.engine.async")
@@ -122,6 +123,7 @@ class AsyncLLM:
         self._proc: mp.process.BaseProcess | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._conn = None
+        self.observers: list[EngineObserver] = []  # metrics, tracing, dashboard (gemel.observability)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -196,10 +198,12 @@ class AsyncLLM:
         params: SamplingParams,
         tenant: str = "",
         deadline: float | None = None,
+        quota: TenantQuota | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (deltas merged if the consumer lags). Closing or
         cancelling the iterator before the end, or passing ``deadline`` (monotonic; raises
-        TimeoutError), aborts the request in the engine."""
+        TimeoutError), aborts the request in the engine. ``quota`` is the tenant's engine
+        quota (F15), from the gateway."""
         self.check_alive()
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
@@ -211,13 +215,14 @@ class AsyncLLM:
             raise RequestRejected(f"request id {request_id!r} is already running")
         stream = _RequestStream()
         self._streams[request_id] = stream
-        state = RequestState(request_id, prompt, prompt_ids, params, self.tokenizer)
+        state = RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, tenant)
+        state.observer_handles = self._begin_observers(request_id, state.tenant, params)
         self._processor.add(state)
         arrival = time.monotonic()
         self._send(
             AddRequests(
                 [
-                    EngineCoreRequest(c.seq_id, prompt_ids, child_params(params, i), arrival, tenant)
+                    EngineCoreRequest(c.seq_id, prompt_ids, child_params(params, i), arrival, tenant, quota=quota)
                     for i, c in enumerate(state.candidates)
                 ]
             )
@@ -236,9 +241,39 @@ class AsyncLLM:
                 self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
-        ids = self._processor.remove(request_id) if self._processor else []
+        if self._processor is None:
+            return
+        state = self._processor.requests.get(request_id)
+        ids = self._processor.remove(request_id)
+        if state is not None and not state.finished and self.observers:
+            now = time.monotonic()
+            self._notify(IterationStats(now, finished=[state.finished_stats(now, "abort")]))
         if ids:
             self._send(AbortRequests(ids))
+
+    # -- observers (metrics, tracing, dashboard) ---------------------------------------------
+    def _begin_observers(self, request_id: str, tenant: str, params: SamplingParams) -> list:
+        handles = []
+        for obs in self.observers:
+            try:
+                handles.append(obs.begin_request(request_id, tenant, params))
+            except Exception:  # observability must never fail a request
+                log.exception("observer %r failed at request start", obs)
+                handles.append(None)
+        return handles
+
+    def _notify(self, it: IterationStats) -> None:
+        for obs in self.observers:
+            try:
+                obs.on_iteration(it)
+            except Exception:
+                log.exception("observer %r failed", obs)
+        for fs in it.finished:
+            for obs, handle in zip(self.observers, fs.observer_handles):
+                try:
+                    obs.end_request(handle, fs)
+                except Exception:
+                    log.exception("observer %r failed at request end", obs)
 
     # -- the pipes (threads) ---------------------------------------------------------------
     def _send(self, msg) -> None:
@@ -299,6 +334,7 @@ class AsyncLLM:
 
     def _on_step(self, msg: StepResult) -> None:
         self.stats = msg.stats
+        it = IterationStats(msg.time, list(msg.iteration_tokens)) if self.observers else None
         for seq_id, reason in msg.rejected:
             entry = self._processor.child_to_request.get(seq_id)
             if entry is None:
@@ -309,8 +345,12 @@ class AsyncLLM:
             if stream is not None:
                 stream.fail(RequestRejected(reason))
         if not msg.outputs:
+            if it is not None and not it.empty:
+                self._notify(it)
             return
-        outputs, to_abort = self._processor.process(msg.outputs)
+        outputs, to_abort = self._processor.process(msg.outputs, it)
+        if it is not None:
+            self._notify(it)
         if to_abort:
             self._send(AbortRequests(to_abort))
         for out in outputs:
@@ -332,5 +372,11 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.fail(error)
         if self._processor is not None:
-            for request_id in list(self._processor.requests):
+            now = time.monotonic()
+            failed = []
+            for request_id, state in list(self._processor.requests.items()):
                 self._processor.remove(request_id)
+                if not state.finished:
+                    failed.append(state.finished_stats(now, "error"))
+            if failed and self.observers:
+                self._notify(IterationStats(now, finished=failed))

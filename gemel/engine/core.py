@@ -77,6 +77,7 @@ class EngineCore:
         self.step_time_model = StepTimeModel()
         self.last_step_time_s = 0.0
         self.last_step_tokens = 0
+        self.num_steps = 0  # forward passes run (the front end histograms each step's token count)
         log.info(
             "engine ready: model=%s arch=%s device=%s dtype=%s kv_blocks=%d (x%d tokens) load=%.1fs threads=%d",
             self.loaded.path, arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
@@ -208,6 +209,7 @@ class EngineCore:
         self.scheduler.update_after_step(sched, result.num_rejected)
         self.last_step_time_s = time.perf_counter() - t0
         self.last_step_tokens = sched.num_batched_tokens
+        self.num_steps += 1
         self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s)
         for seq, _ in sched.scheduled:
             if seq.spec_token_ids:

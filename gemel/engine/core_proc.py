@@ -62,6 +62,7 @@ class StepResult:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
     stats: EngineStats = field(default_factory=EngineStats)
     time: float = 0.0  # monotonic clock of the child when sent
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens of each step run since the last message
 
 
 def run_engine_core(config: dict[str, Any], input_conn: Any, output_conn: Any, stats_interval_s: float, log_level: str) -> None:
@@ -105,6 +106,7 @@ class EngineLoop:
 
     def run(self) -> None:
         last_sent = 0.0
+        iteration_tokens: list[int] = []  # kept until a message carries them: no step goes uncounted
         while self.running:
             idle = not self.core.has_unfinished()
             messages = self._receive(block=idle)
@@ -113,13 +115,19 @@ class EngineLoop:
                 return
             rejected: list[tuple[str, str]] = []
             changed = self._handle(messages, rejected)
-            outputs = self.core.step() if self.core.has_unfinished() else []
+            outputs = []
+            if self.core.has_unfinished():
+                steps = getattr(self.core, "num_steps", 0)
+                outputs = self.core.step()
+                if getattr(self.core, "num_steps", 0) != steps:
+                    iteration_tokens.append(self.core.last_step_tokens)
             now = time.monotonic()
             if outputs or rejected or changed or now - last_sent >= self.stats_interval_s:
                 try:
-                    self.output_conn.send(StepResult(outputs, rejected, self.core.stats(), now))
+                    self.output_conn.send(StepResult(outputs, rejected, self.core.stats(), now, iteration_tokens))
                 except (BrokenPipeError, EOFError, OSError):
                     return
+                iteration_tokens = []
                 last_sent = now
 
     def _receive(self, block: bool) -> list:

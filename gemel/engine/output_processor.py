@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from gemel.engine.protocol import EngineCoreOutput
 from gemel.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from gemel.observability.stats import FinishedRequestStats, IterationStats, TokenTiming, tenant_label
 from gemel.sampling_params import SamplingParams
 
 
@@ -65,6 +66,7 @@ class _Candidate:
         self.full_text = ""
         self.emitted = 0
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.last_token_ts: float | None = None  # the step that gave this sequence its latest token
 
     def add(self, out: EngineCoreOutput) -> str | None:
         """Take one step's tokens; return this sequence's id if a stop string ended it."""
@@ -119,8 +121,17 @@ class _Candidate:
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        tenant: str = "",
+    ):
         self.request_id = request_id
+        self.tenant = tenant_label(tenant)
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
@@ -129,6 +140,30 @@ class RequestState:
         ]
         self.num_cached_tokens = 0
         self.metrics: dict[str, float] = {"arrival": time.monotonic()}
+        self.first_token_ts: float | None = None  # the step that gave the first token of any candidate
+        self.observer_handles: list = []  # what each EngineObserver.begin_request returned
+
+    def finished_stats(self, end: float, finish_reason: str | None = None) -> FinishedRequestStats:
+        """This request's stats for metrics and tracing (``end``: monotonic, when it ended)."""
+        last = [c.last_token_ts for c in self.candidates if c.last_token_ts is not None]
+        m = self.metrics
+        first = m.get("first_token", self.first_token_ts)
+        return FinishedRequestStats(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            finish_reason=finish_reason or self.candidates[0].out.finish_reason or "abort",
+            arrival=m["arrival"],
+            end=end,
+            num_prompt_tokens=len(self.prompt_ids),
+            num_generation_tokens=sum(len(c.out.token_ids) for c in self.candidates),
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=int(m.get("num_preemptions", 0)),
+            scheduled=m.get("scheduled"),
+            first_token=first,
+            last_token=m["finished"] if "finished" in m and len(self.candidates) == 1 else (max(last) if last else None),
+            params=self.params,
+            observer_handles=self.observer_handles,
+        )
 
     @property
     def finished(self) -> bool:
@@ -192,8 +227,13 @@ class OutputProcessor:
             self.child_to_request.pop(cand.seq_id, None)
         return [c.seq_id for c in state.candidates if not c.out.finished]
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Engine outputs -> per-request outputs (with deltas), plus engine ids to abort."""
+    def process(
+        self, core_outputs: list[EngineCoreOutput], iteration: IterationStats | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Engine outputs -> per-request outputs (with deltas), plus engine ids to abort.
+
+        With ``iteration`` (the step's stats, its ``time`` the engine's stamp), also record
+        token counts, TTFT, ITL, per-token timings and the requests that finished."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         for out in core_outputs:
@@ -209,7 +249,10 @@ class OutputProcessor:
             cand = state.candidates[index]
             if cand.out.finished:
                 continue
+            before = len(cand.out.token_ids)
             stopped = cand.add(out)
+            if iteration is not None:
+                _record_tokens(state, cand, len(cand.out.token_ids) - before, iteration)
             if stopped:
                 to_abort.append(stopped)
             touched[state.request_id] = state
@@ -222,4 +265,28 @@ class OutputProcessor:
                 cand.clear_delta()
             if state.finished:
                 self.remove(state.request_id)
+                if iteration is not None:
+                    iteration.finished.append(state.finished_stats(time.monotonic()))
         return results, to_abort
+
+
+def _record_tokens(state: RequestState, cand: _Candidate, k: int, it: IterationStats) -> None:
+    """Account for ``k`` tokens that one step gave one candidate (several with speculation:
+    the step's gap is shared between them in the per-token timings; ITL is one per step)."""
+    if k <= 0:
+        return
+    t = it.time
+    tenant = state.tenant
+    if state.first_token_ts is None:
+        state.first_token_ts = t
+        it.ttfts.append((tenant, max(0.0, t - state.metrics["arrival"])))
+        it.add_prompt(tenant, len(state.prompt_ids))
+    prev = cand.last_token_ts
+    if prev is not None:
+        it.itls.append((tenant, max(0.0, t - prev)))
+    gap = max(0.0, t - (prev if prev is not None else state.metrics["arrival"])) / k
+    start = len(cand.out.token_ids) - k
+    for j in range(k):
+        it.tokens.append(TokenTiming(t, start + j, gap, tenant))
+    cand.last_token_ts = t
+    it.add_generation(tenant, k)

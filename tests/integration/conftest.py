@@ -69,14 +69,19 @@ def serve_command() -> list[str]:
     return [sys.executable, "-m", "gemel.cli", "serve"]
 
 
-def start_server(tmp: Path, name: str = "server", extra_config: str = "", ready_timeout: float = 240) -> Server:
+def start_server(
+    tmp: Path, name: str = "server", extra_config: str = "", ready_timeout: float = 240, grpc_port: int | None = None
+) -> Server:
+    """``grpc_port``: also serve gRPC there; without it the server runs with ``--no-grpc`` so
+    several test servers never compete for the default gRPC port."""
     config = tmp / f"{name}.yaml"
     config.write_text(TEST_CONFIG + extra_config)
     port = free_port()
     log_path = tmp / f"{name}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    grpc_args = ["--grpc-port", str(grpc_port)] if grpc_port is not None else ["--no-grpc"]
     proc = subprocess.Popen(
-        [*serve_command(), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+        [*serve_command(), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), *grpc_args],
         stdout=log_path.open("w"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -126,3 +131,21 @@ def openai_client(server):
     from openai import OpenAI
 
     return OpenAI(api_key="x", base_url=f"{server.url}/v1", max_retries=0, timeout=120)
+
+
+# Observability tests (test_metrics, test_tracing, test_dashboard) share their own server, so
+# counters they compare are not disturbed by other tests' traffic, with the test-only switch
+# that keeps finished spans in memory and serves them at /internal/traces.
+OBS_CONFIG = """
+observability:
+  trace_memory_exporter: true
+  log_stats_interval_s: 1
+embeddings: null
+"""
+
+
+@pytest.fixture(scope="session")
+def obs_server(tmp_path_factory) -> Server:
+    srv = start_server(tmp_path_factory.mktemp("obs"), name="obs", extra_config=OBS_CONFIG)
+    yield srv
+    srv.stop()

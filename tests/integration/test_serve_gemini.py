@@ -241,13 +241,18 @@ def test_bad_max_output_tokens(genai_client):
 
 def test_unsupported_generation_config_named(genai_client):
     with pytest.raises(errors.ClientError) as e:
-        genai_client.models.generate_content(model=MODEL, contents="hi", config=cfg(response_mime_type="application/json"))
+        genai_client.models.generate_content(model=MODEL, contents="hi", config=cfg(response_mime_type="text/csv"))
     assert e.value.code == 400 and "responseMimeType" in e.value.message
-    with pytest.raises(errors.ClientError) as e:
+    with pytest.raises(errors.ClientError) as e:  # a schema needs a JSON (or enum) response type
         genai_client.models.generate_content(
             model=MODEL, contents="hi", config=cfg(response_schema={"type": "OBJECT", "properties": {"a": {"type": "STRING"}}})
         )
-    assert e.value.code == 400 and "responseSchema" in e.value.message
+    assert e.value.code == 400 and "responseMimeType" in e.value.message
+    with pytest.raises(errors.ClientError) as e:
+        genai_client.models.generate_content(
+            model=MODEL, contents="hi", config=cfg(response_modalities=["AUDIO"])
+        )
+    assert e.value.code == 400 and "responseModalities" in e.value.message
 
 
 def test_image_part_refused_by_name(genai_client):

@@ -146,7 +146,9 @@ def test_errors(openai_client, server):
         (dict(max_tokens=10**7), "max_tokens"),
         (dict(top_p=0), "top_p"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "xml"}), "response_format.type"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+         "response_format.json_schema"),
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

@@ -1,0 +1,518 @@
+"""Gemini gRPC surface (SPEC F31): ``google.ai.generativelanguage.v1beta.GenerativeService``.
+
+A ``grpc.aio`` server on the same event loop as the REST app, started by ``gemel serve``
+(``grpc`` section of the config; ``--grpc-port``, ``--no-grpc``). It serves GenerateContent,
+StreamGenerateContent, CountTokens, EmbedContent and BatchEmbedContents through a
+``grpc.method_handlers_generic_handler``: requests arrive as bytes and are parsed with the
+official ``google-ai-generativelanguage`` proto-plus types' ``deserialize``; responses are
+the same types' ``serialize``. No servicer classes are generated and no ``.proto`` is copied.
+
+Everything behind the wire format is shared with the REST surface: the engines and the
+request code of ``gemel.api.gemini`` (``GenerateJob``, ``ResponseBuilder``, countTokens and
+embedding helpers), the gateway (API key in ``x-goog-api-key`` metadata or a signature in
+``x-llm-signature`` over the serialized request; tenants' limits, admission), deadlines,
+metrics and traces.
+
+* Deadlines: the call's gRPC deadline (``context.time_remaining()``, capped by
+  ``server.max_request_timeout_s``; ``server.request_timeout_s`` without one) is the engine
+  request's deadline. When it passes the engine aborts the request (its KV blocks are freed)
+  and the call ends DEADLINE_EXCEEDED. A client that cancels also aborts the request.
+* Errors: the REST surface's ``APIError`` statuses become gRPC codes by Google's mapping
+  (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 429
+  RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, ...), with a ``google.rpc.Status``
+  in ``grpc-status-details-bin`` carrying the same details as the REST body (BadRequest
+  field violations, RetryInfo, ErrorInfo), which ``google-api-core`` decodes.
+* Metadata: initial metadata carries ``x-request-id``, ``x-model-id``, ``x-model-version``
+  and ``traceparent``; trailing metadata ``x-inference-latency-ms`` (and ``retry-after``
+  on RESOURCE_EXHAUSTED / UNAVAILABLE).
+* Reflection: served from gemel's own descriptor pool (``gemel.api.grpc_service``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2, json_format
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+from gemel.api.errors import GOOGLE_STATUS, APIError, as_api_error, gemini_error, invalid
+from gemel.api.gemini import (
+    GenerateJob,
+    _dimensions,
+    _embed_text,
+    _values,
+    batch_embed_inputs,
+    check_batch_size,
+    count_tokens_result,
+)
+from gemel.api.grpc_service import SERVICE_NAME, Method, methods, service_pool
+from gemel.api.lifecycle import Deadline
+from gemel.api.middleware import child_traceparent
+from gemel.api.state import ServedModel, ServerState
+from gemel.config import GrpcConfig
+from gemel.embeddings.encoder import truncate
+from gemel.engine.output_processor import RequestOutput
+from gemel.gateway.principal import Principal
+
+log = logging.getLogger("gemel.grpc")
+
+T = TypeVar("T")
+API_VERSION = "v1beta"
+SHUTDOWN_GRACE_S = 5.0
+DEADLINE_MARGIN_S = 0.05
+
+
+# The detail types the REST error bodies use; importing them registers them for Any packing.
+DETAIL_TYPES = (error_details_pb2.BadRequest, error_details_pb2.RetryInfo, error_details_pb2.ErrorInfo)
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
+    pass
+
+
+def grpc_code(http_status: int) -> grpc.StatusCode:
+    return grpc.StatusCode[GOOGLE_STATUS.get(http_status, "UNKNOWN")]
+
+
+def rpc_status(err: APIError) -> status_pb2.Status:
+    """The google.rpc.Status of an error: code, message and the REST body's details."""
+    code = grpc_code(err.status)
+    status = status_pb2.Status(code=code.value[0], message=err.message)
+    for detail in gemini_error(err)["error"].get("details", []):
+        packed = any_pb2.Any()
+        try:
+            json_format.ParseDict(detail, packed)
+        except (json_format.ParseError, TypeError, KeyError):
+            log.debug("error detail not packable: %r", detail)
+            continue
+        status.details.append(packed)
+    return status
+
+
+def peer_host(peer: str | None) -> str | None:
+    """The address of ``context.peer()`` ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"); None
+    for unix sockets and anything else, which the gateway counts as local."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]").replace("%25", "%")
+    return None
+
+
+def call_deadline(context: grpc.aio.ServicerContext, server_cfg) -> Deadline:
+    """The engine deadline of a call: the client's gRPC deadline, capped by the config, a
+    little early so the server ends the call (and says why) before the client gives up."""
+    remaining = context.time_remaining()
+    if remaining is None or not math.isfinite(remaining):
+        timeout = server_cfg.request_timeout_s
+    else:
+        timeout = max(0.0, min(remaining - DEADLINE_MARGIN_S, server_cfg.max_request_timeout_s))
+    return Deadline(timeout, time.monotonic() + timeout)
+
+
+class Call:
+    """One RPC: metadata in and out, deadline, principal, span, and how it fails."""
+
+    def __init__(self, surface: GrpcSurface, context: grpc.aio.ServicerContext, method: str):
+        self.surface = surface
+        self.context = context
+        self.method = method
+        self.started = time.perf_counter()
+        self.metadata = tuple(context.invocation_metadata() or ())
+        self.headers: dict[str, str] = {}
+        for k, v in self.metadata:
+            if isinstance(v, str):
+                self.headers.setdefault(k.lower(), v)
+        self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
+        self.deadline = call_deadline(context, surface.state.config.server)
+        self.model: ServedModel | None = None
+        self.admission = None
+        self.initial_sent = False
+        self.progress = ""  # what the engine had done when a deadline passed
+        self._span = None
+        self._token = None
+        self.traceparent = self._begin_span()
+
+    # -- tracing ----------------------------------------------------------------------------
+    def _begin_span(self) -> str:
+        tracing = self.surface.tracing
+        if tracing is None:
+            return child_traceparent(self.headers.get("traceparent"))
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        from gemel.observability.tracing import traceparent_of
+
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := self.headers.get(k))}
+        parent = tracing.propagator.extract(carrier)
+        self._span = tracing.tracer.start_span(
+            f"{SERVICE_NAME}/{self.method}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": self.method},
+        )
+        self._token = otel_context.attach(trace.set_span_in_context(self._span, parent))
+        return traceparent_of(self._span)
+
+    def end_span(self, code: grpc.StatusCode, error: BaseException | None = None) -> None:
+        if self._span is None:
+            return
+        from opentelemetry import context as otel_context
+        from opentelemetry.trace import Status, StatusCode
+
+        span, self._span = self._span, None
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if self.model is not None:
+            span.set_attribute("gemel.model_id", self.model.id)
+        if error is not None and code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+        try:
+            otel_context.detach(self._token)
+        except ValueError:  # detached in another context (a generator closed elsewhere)
+            pass
+
+    # -- metadata -----------------------------------------------------------------------------
+    def parse(self, method: Method, raw: bytes):
+        """The request as the package's protobuf message (the raw pb, as the REST code uses)."""
+        try:
+            msg = method.request.deserialize(raw)
+        except (DecodeError, TypeError, ValueError) as e:
+            raise invalid(f"the request is not a valid {method.request.__name__}: {e}") from None
+        return type(msg).pb(msg)
+
+    async def serve_model(self, model: ServedModel) -> None:
+        """Name the model serving the call; sends the initial metadata (SPEC F34's headers)."""
+        self.model = model
+        await self.send_initial()
+
+    async def send_initial(self) -> None:
+        if self.initial_sent:
+            return
+        self.initial_sent = True
+        md = [("x-request-id", self.request_id), ("traceparent", self.traceparent)]
+        if self.model is not None:
+            md += [("x-model-id", self.model.id), ("x-model-version", self.model.version)]
+        await self.context.send_initial_metadata(md)
+
+    def _trailing(self) -> list[tuple[str, str]]:
+        md = [("x-inference-latency-ms", f"{(time.perf_counter() - self.started) * 1000:.1f}")]
+        if not self.initial_sent:
+            md.append(("x-request-id", self.request_id))
+        return md
+
+    def succeed(self) -> None:
+        self.context.set_trailing_metadata(self._trailing())
+        self.end_span(grpc.StatusCode.OK)
+
+    async def fail(self, exc: BaseException, progress: str = "") -> None:
+        """End the call with the status of ``exc`` (raises grpc's AbortError)."""
+        err = self.surface.api_error(exc, self.deadline, progress)
+        code = grpc_code(err.status)
+        status = rpc_status(err)
+        md = self._trailing() + [("grpc-status-details-bin", status.SerializeToString())]
+        if err.retry_after_s is not None:
+            md.append(("retry-after", str(max(1, round(err.retry_after_s)))))
+        if err.status >= 500 and code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+            log.warning("%s %s: %s %s", self.method, self.request_id, code.name, err.message)
+        self.end_span(code, exc)
+        await self.context.abort_with_status(_Status(code, err.message, tuple(md)))
+
+    def cancelled(self) -> None:
+        self.end_span(grpc.StatusCode.CANCELLED)
+
+
+class GrpcSurface:
+    """The GenerativeService handlers over one app's state."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.state: ServerState = app.state.gemel
+        self.gateway = getattr(app.state, "gateway", None)
+        obs = getattr(app.state, "observability", None)
+        self.tracing = getattr(obs, "tracing", None)
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        behaviours: dict[str, Callable] = {
+            "GenerateContent": self.generate_content,
+            "StreamGenerateContent": self.stream_generate_content,
+            "CountTokens": self.count_tokens,
+            "EmbedContent": self.embed_content,
+            "BatchEmbedContents": self.batch_embed_contents,
+        }
+        handlers = {}
+        for m in methods():
+            behaviour = behaviours[m.name]
+            factory = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+            # no request_deserializer: the handler gets the bytes (a signature covers them,
+            # and a malformed message answers INVALID_ARGUMENT rather than INTERNAL)
+            handlers[m.name] = factory(behaviour, response_serializer=m.response.serialize)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def api_error(self, exc: BaseException, deadline: Deadline, progress: str = "") -> APIError:
+        from gemel.gateway.gateway import Refusal
+
+        if isinstance(exc, Refusal):
+            return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
+        if isinstance(exc, TimeoutError):
+            return deadline.exceeded(progress)
+        return as_api_error(exc)
+
+    async def authenticate(self, call: Call, raw: bytes) -> Principal:
+        """The gateway's verdict on the call's metadata (x-goog-api-key, authorization: Bearer,
+        x-llm-signature over the serialized request), then admission (the tenant's
+        concurrency cap and requests/min); released by ``release``."""
+        if self.gateway is None:
+            return Principal()
+        from gemel.gateway.gateway import AuthError, credentials_from
+        from gemel.gateway.middleware import auth_api_error
+
+        creds = credentials_from(call.headers, body=raw, client_host=peer_host(call.context.peer()))
+        try:
+            principal = self.gateway.authenticate(creds)
+        except AuthError as e:
+            raise auth_api_error(e, "gemini", creds) from None
+        call.admission = await self.gateway.admit(principal)
+        return principal
+
+    async def release(self, call: Call) -> None:
+        if call.admission is not None and self.gateway is not None:
+            admission, call.admission = call.admission, None
+            await self.gateway.release(admission)
+
+    async def within(self, call: Call, work: Awaitable[T]) -> T:
+        """Await ``work`` under the call's deadline (TimeoutError -> DEADLINE_EXCEEDED)."""
+        return await asyncio.wait_for(work, max(0.0, call.deadline.remaining()))
+
+    async def _unary(self, method: str, raw: bytes, context: grpc.aio.ServicerContext, body: Callable) -> Any:
+        call = Call(self, context, method)
+        try:
+            result = await body(call, raw)
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            call.cancelled()
+            raise
+        except Exception as e:
+            await call.fail(e, call.progress)
+        finally:
+            await self.release(call)
+        call.succeed()
+        return result
+
+    # -- generation -------------------------------------------------------------------------
+    async def _start_generation(self, call: Call, raw: bytes, method: str) -> tuple[GenerateJob, AsyncIterator[RequestOutput]]:
+        principal = await self.authenticate(call, raw)
+        req = call.parse(_method(method), raw)
+        model = self.state.generative(_model_name(req), "gemini", API_VERSION, _lower(method))
+        await call.serve_model(model)
+        job = GenerateJob(self.state, model, req, call.deadline)
+        await self.within(call, job.wait_ready())
+        stream = await job.launch(principal)
+        return job, stream
+
+    async def generate_content(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def body(call: Call, raw: bytes):
+            job, stream = await self._start_generation(call, raw, "GenerateContent")
+            last: RequestOutput | None = None
+            try:
+                async for out in stream:
+                    last = out
+            except TimeoutError:
+                call.progress = _progress(last)
+                raise
+            finally:
+                await stream.aclose()
+            if last is None:
+                raise RuntimeError("the engine stream ended without output")
+            return _response(job.builder.unary(last))
+
+        return await self._unary("GenerateContent", raw, context, body)
+
+    async def stream_generate_content(self, raw: bytes, context: grpc.aio.ServicerContext):
+        call = Call(self, context, "StreamGenerateContent")
+        stream: AsyncIterator[RequestOutput] | None = None
+        last: RequestOutput | None = None
+        try:
+            job, stream = await self._start_generation(call, raw, "StreamGenerateContent")
+            sent = 0
+            async for out in stream:
+                last = out
+                chunk = job.builder.chunk(out)
+                if chunk is None and out.finished and sent == 0:
+                    chunk = job.builder.unary(out)
+                if chunk is not None:
+                    yield _response(chunk)
+                    sent += 1
+            if last is None:
+                raise RuntimeError("the engine stream ended without output")
+        except asyncio.CancelledError:
+            call.cancelled()
+            raise
+        except GeneratorExit:
+            call.cancelled()
+            raise
+        except Exception as e:
+            await call.fail(e, _progress(last) if isinstance(e, TimeoutError) else "")
+        finally:
+            if stream is not None:
+                await stream.aclose()
+            await self.release(call)
+        call.succeed()
+
+    # -- tokens and embeddings ----------------------------------------------------------------
+    async def count_tokens(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def body(call: Call, raw: bytes):
+            await self.authenticate(call, raw)
+            req = call.parse(_method("CountTokens"), raw)
+            served = self.state.resolve(_model_name(req), "gemini", API_VERSION)
+            await call.serve_model(served)
+            if served.engine is not None and served.engine.tokenizer is None:
+                ready_s = min(call.deadline.remaining(), self.state.config.server.engine_ready_timeout_s)
+                await self.within(call, served.engine.wait_ready(ready_s))
+            return _message("CountTokens", await self.within(call, count_tokens_result(self.state, served, req)))
+
+        return await self._unary("CountTokens", raw, context, body)
+
+    async def embed_content(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def body(call: Call, raw: bytes):
+            await self.authenticate(call, raw)
+            req = call.parse(_method("EmbedContent"), raw)
+            served = self.state.embedding(_model_name(req), "gemini", API_VERSION)
+            await call.serve_model(served)
+            encoder = await self.within(call, self.state.encoder(served, call.deadline.remaining()))
+            text = _embed_text(req, "", served.id)
+            dims = _dimensions(req, "", encoder.dimensions)
+            vectors = await self.within(call, self.state.embed(served, [text], call.deadline.remaining()))
+            return _message("EmbedContent", {"embedding": {"values": _values(truncate(vectors, dims)[0])}})
+
+        return await self._unary("EmbedContent", raw, context, body)
+
+    async def batch_embed_contents(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def body(call: Call, raw: bytes):
+            await self.authenticate(call, raw)
+            req = call.parse(_method("BatchEmbedContents"), raw)
+            name = _model_name(req)
+            served = self.state.embedding(name, "gemini", API_VERSION, "batchEmbedContents")
+            await call.serve_model(served)
+            check_batch_size(self.state, req)
+            encoder = await self.within(call, self.state.encoder(served, call.deadline.remaining()))
+            outer = f"the request's model ({name})"
+            texts, dims = batch_embed_inputs(self.state, served, req, encoder.dimensions, API_VERSION, outer)
+            vectors = await self.within(call, self.state.embed(served, texts, call.deadline.remaining()))
+            embeddings = [{"values": _values(truncate(vectors[i : i + 1], d)[0])} for i, d in enumerate(dims)]
+            return _message("BatchEmbedContents", {"embeddings": embeddings})
+
+        return await self._unary("BatchEmbedContents", raw, context, body)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _method(name: str) -> Method:
+    return next(m for m in methods() if m.name == name)
+
+
+def _lower(method: str) -> str:
+    return method[0].lower() + method[1:]
+
+
+def _model_name(req) -> str:
+    if not req.model:
+        raise invalid("model is not specified (e.g. models/gemini-2.0-flash)", param="model")
+    return req.model
+
+
+def _progress(out: RequestOutput | None) -> str:
+    if out is None:
+        return "before the first token"
+    n = sum(len(c.token_ids) for c in out.outputs)
+    return f"after {n} generated token{'s' if n != 1 else ''}"
+
+
+def _message(method: str, body: dict):
+    """A response dict (the REST JSON) -> the method's response protobuf."""
+    return json_format.ParseDict(body, _method(method).response.pb()(), ignore_unknown_fields=True)
+
+
+def _response(body: dict):
+    return _message("GenerateContent", body)
+
+
+# -- the server ---------------------------------------------------------------------------------
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def server_credentials(cfg: GrpcConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files (SPEC F75), or None for plaintext."""
+    if not cfg.tls_cert_file:
+        return None
+    cert = Path(cfg.tls_cert_file).read_bytes()
+    key = Path(cfg.tls_key_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+class GrpcServer:
+    """The gRPC listener of one app: ``bind`` (fails fast on a bad port or TLS file), then
+    ``start`` once the state has started, ``stop`` before it stops."""
+
+    def __init__(self, server: grpc.aio.Server, host: str, port: int, tls: bool):
+        self.server = server
+        self.host = host
+        self.port = port
+        self.tls = tls
+
+    @classmethod
+    def bind(cls, app: Any, cfg: GrpcConfig | None = None) -> GrpcServer:
+        """Create the server and bind its port (call on the running loop)."""
+        state: ServerState = app.state.gemel
+        cfg = cfg or state.config.grpc
+        host = cfg.host or state.config.server.host
+        max_bytes = cfg.max_message_mb << 20
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_bytes),
+                ("grpc.max_send_message_length", max_bytes),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not a silently shared listener
+            ]
+        )
+        surface = GrpcSurface(app)
+        server.add_generic_rpc_handlers((surface.generic_handler(),))
+        if cfg.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server, pool=service_pool())
+        creds = server_credentials(cfg)
+        address = _address(host, cfg.port)
+        hint = "choose another port with --grpc-port, or --no-grpc"
+        try:
+            port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise RuntimeError(f"gRPC: cannot listen on {address} ({e}); {hint}") from None
+        if not port:
+            raise RuntimeError(f"gRPC: cannot listen on {address}; {hint}")
+        return cls(server, host, port, creds is not None)
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info(
+            "serving gRPC %s on %s (%s)", SERVICE_NAME, _address(self.host, self.port), "TLS" if self.tls else "plaintext"
+        )
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Refuse new calls, give running ones ``grace`` seconds, then cancel them (which
+        aborts their engine requests)."""
+        await self.server.stop(grace)
