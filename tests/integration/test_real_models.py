@@ -85,8 +85,13 @@ def test_greedy_matches_transformers(reference: Reference, dtype: str):
         if not result.equal:
             near_ties.append((PROMPTS[i], result.near_tie_step))
     print(f"{reference.model} {dtype}: divergences at near-ties (prompt, step): {near_ties}")
-    limit = len(PROMPTS) // 2 if dtype == "bfloat16" else 2
-    assert len(near_ties) <= limit, near_ties
+    if dtype == "float32":
+        assert len(near_ties) <= 2, near_ties  # genuine near-ties are rare in float32
+    else:
+        # bf16 rounding legitimately flips close calls as a continuation grows; a broken bf16
+        # path diverges at once. Most prompts must agree on their first 8 tokens.
+        early = [(p, step) for p, step in near_ties if step < 8]
+        assert len(early) <= len(PROMPTS) // 3, early
 
 
 def test_smollm2_batch_invariance_and_preemption():
