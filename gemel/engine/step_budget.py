@@ -13,7 +13,7 @@ from collections import deque
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 64, min_prefill_chunk: int = 16):
+    def __init__(self, window: int = 64, min_prefill_chunk: int = 64):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_prefill_chunk = min_prefill_chunk
 

@@ -20,6 +20,8 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_kwargs):
+        # Offline work is about throughput: no step-time target unless asked for (serving has one).
+        engine_kwargs.setdefault("itl_target_ms", None)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
