@@ -178,3 +178,15 @@ def test_forked_candidate_equals_unforked_candidate(llm):
     pair = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(n=2, temperature=1.0, seed=40, max_tokens=10, ignore_eos=True))[0]
     lone = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=1.0, seed=41, max_tokens=10, ignore_eos=True))[0]
     assert pair.outputs[1].token_ids == lone.outputs[0].token_ids
+
+
+def test_outputs_identical_with_prefix_cache_on_and_off(tiny_llama_dir, llm):
+    shared = MIXED[13][:40]
+    prompts = [shared + p[:5] for p in MIXED[:6]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    on = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert llm.engine.core.block_manager.stats.hits > 0
+    off_llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, enable_prefix_caching=False)
+    off = [o.outputs[0].token_ids for o in off_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert off_llm.engine.core.block_manager.stats.hits == 0
+    assert on == off
