@@ -222,7 +222,10 @@ class AsyncLLM:
         self._send(
             AddRequests(
                 [
-                    EngineCoreRequest(c.seq_id, prompt_ids, child_params(params, i), arrival, tenant, quota=quota)
+                    EngineCoreRequest(
+                        c.seq_id, prompt_ids, child_params(params, i), arrival, tenant, quota=quota,
+                        fork_of=state.candidates[0].seq_id if i > 0 else None,  # share the prompt's KV
+                    )
                     for i, c in enumerate(state.candidates)
                 ]
             )

@@ -75,6 +75,19 @@ def test_200_structured_generations_validate(model, dtype):
     assert not failures, failures
 
 
+def test_ngram_speculation_greedy_identical_on_gemma3():
+    prompts = ["Repeat exactly: one two three four five six seven eight. One two three four",
+               "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = LLM("gemma3-270m", dtype="float32", kv_cache_memory_mb=128)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    del base
+    spec = LLM("gemma3-270m", dtype="float32", kv_cache_memory_mb=128, speculative_method="ngram")
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert spec.engine.core.spec_stats.num_draft_tokens > 0
+    assert got == ref
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_layers"])
 def test_speculative_greedy_identical_on_smollm2(method):
     prompts = [
