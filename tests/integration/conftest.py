@@ -78,13 +78,19 @@ def start_server(
     config.write_text(TEST_CONFIG + extra_config)
     port = free_port()
     log_path = tmp / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     grpc_args = ["--grpc-port", str(grpc_port)] if grpc_port is not None else ["--no-grpc"]
+    return launch(
+        ["--config", str(config), "--host", "127.0.0.1", "--port", str(port), *grpc_args], port, log_path, ready_timeout
+    )
+
+
+def launch(args: list[str], port: int, log_path: Path, ready_timeout: float = 240) -> Server:
+    """Start ``gemel serve ARGS`` (listening on ``port``) and wait until /readyz is green."""
     proc = subprocess.Popen(
-        [*serve_command(), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), *grpc_args],
+        [*serve_command(), *args],
         stdout=log_path.open("w"),
         stderr=subprocess.STDOUT,
-        env=env,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
         start_new_session=True,
     )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)

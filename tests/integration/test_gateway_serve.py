@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 from gemel.client import Ed25519Auth, load_private_key, sign_request, signature_header
 from gemel.gateway.signing import b64url_encode
 
-from conftest import Server, free_port, serve_command
+from conftest import Server, free_port, launch, serve_command
 
 pytestmark = pytest.mark.slow
 
@@ -81,26 +80,9 @@ def start(tmp: Path, tenants: Path, ready_timeout: float = 240) -> Server:
     config = tmp / "gemel.yaml"
     config.write_text(CONFIG)
     port = free_port()
-    log_path = tmp / "server.log"
-    proc = subprocess.Popen(
-        [*serve_command(), "--config", str(config), "--tenants", str(tenants), "--host", "127.0.0.1",
-         "--port", str(port), "--no-embeddings", "--no-grpc"],
-        stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        start_new_session=True,
-    )
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gemel serve exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/readyz", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    server.stop()
-    raise RuntimeError(f"gemel serve not ready after {ready_timeout}s:\n{server.log()}")
+    args = ["--config", str(config), "--tenants", str(tenants), "--host", "127.0.0.1",
+            "--port", str(port), "--no-embeddings", "--no-grpc"]
+    return launch(args, port, tmp / "server.log", ready_timeout)
 
 
 @pytest.fixture(scope="module")
