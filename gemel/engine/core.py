@@ -21,6 +21,7 @@ from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel
+from gemel.layers.linear import prepack_model_, quantize_model_
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
 
@@ -39,9 +40,8 @@ class EngineCore:
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
         if config.weight_quant != "none":
-            from gemel.layers.linear import quantize_model_
-
             quantize_model_(self.loaded.model, config.weight_quant, config.packed_max_rows)
+        prepack_model_(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         num_blocks = config.num_kv_blocks or max(

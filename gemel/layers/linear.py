@@ -4,6 +4,10 @@ At one or a few rows a decode step is bound by reading weights, so PyTorch's pac
 low-bit CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) win; at many
 rows the bf16/fp32 GEMM wins. A quantised ``Linear`` keeps both and picks per call by the
 number of rows (``packed_max_rows``).
+
+On a CPU with oneDNN, bf16 weights are also reordered once into oneDNN's blocked layout
+(``prepack_``): the same kernel family as ``F.linear`` with bitwise-equal results, but
+without re-laying-out the weight on every call, which is 1.2-2x faster at decode sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.quant: str | None = None
         self.packed_max_rows = 0
+        self.onednn_weight: torch.Tensor | None = None  # blocked copy from prepack_()
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
@@ -32,8 +37,19 @@ class Linear(nn.Module):
             bias = biases[0] if len(biases) == 1 else torch.cat(biases, dim=0)
         return cls(weight, bias)
 
+    def prepack_(self, batch_hint: int = 64) -> bool:
+        """Replace a CPU bf16 weight by its oneDNN blocked copy. Returns whether it did."""
+        w = self.weight
+        if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+            return False
+        self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        self.weight = None  # the blocked copy replaces it (a tied embedding keeps its own reference)
+        return True
+
     def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 32) -> None:
         """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows."""
+        if self.weight is None:
+            raise RuntimeError("quantize_ needs the dense weight: call it before prepack_")
         w = self.weight.detach().float()
         if mode == "int8":
             scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
@@ -65,6 +81,8 @@ class Linear(nn.Module):
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
             return y if self.bias is None else y + self.bias
+        if self.onednn_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -76,3 +94,8 @@ def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int) -> int:
             module.quantize_(mode, packed_max_rows)
             count += module.quant is not None
     return count
+
+
+def prepack_model_(model: nn.Module) -> int:
+    """oneDNN-blocked weights for every bf16 projection on CPU; returns how many."""
+    return sum(module.prepack_() for module in model.modules() if isinstance(module, Linear))
