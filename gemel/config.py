@@ -48,10 +48,18 @@ class EngineConfig(BaseModel):
     itl_target_ms: float | None = Field(
         50.0, gt=0, description="step-time target while requests decode (F13); null: always the full budget"
     )
-    weight_quant: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only int8/int4 copies of the projections for small decode batches (CPU)"
+    weight_quant: Literal["none", "checkpoint", "int8", "int4"] = Field(
+        "none",
+        description="weight-only low-bit copies of the projections for small decode batches (CPU): "
+        "checkpoint = the GGUF's own Q4_0/Q4_1 groups, exact; int8/int4 = re-quantised, lossy",
     )
     packed_max_rows: int = Field(4, ge=0, description="use the packed low-bit kernels up to this many rows")
+    compile: bool = Field(
+        False,
+        description="torch.compile the forward pass of decode-only steps of up to compile_max_batch_size "
+        "sequences (fuses the small ops that dominate small batches on CPU); compiled at start-up",
+    )
+    compile_max_batch_size: int = Field(4, ge=1, description="largest decode batch that takes the compiled path")
     speculative_method: Literal["none", "ngram", "draft_layers"] = Field(
         "none", description="speculative decoding proposer (F18): n-gram prompt lookup or the target's first layers"
     )

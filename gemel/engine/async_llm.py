@@ -48,7 +48,7 @@ def load_tokenizer(source: str) -> tuple[Tokenizer, int]:
     from gemel.loader import sources
     from gemel.loader.model_loader import load_arch_and_tokenizer
 
-    arch, tokenizer, _ = load_arch_and_tokenizer(sources.resolve(source))
+    arch, tokenizer, *_ = load_arch_and_tokenizer(sources.resolve(source))
     return tokenizer, arch.max_position_embeddings
 
 

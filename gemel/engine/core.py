@@ -39,8 +39,7 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
-        if config.weight_quant != "none":
-            quantize_model_(self.loaded.model, config.weight_quant, config.packed_max_rows)
+        quantize_model_(self.loaded.model, config.weight_quant, config.packed_max_rows)
         prepack_model_(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
@@ -57,6 +56,10 @@ class EngineCore:
             self.block_manager,
         )
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device)
+        if config.compile:
+            t_compile = time.monotonic()
+            self.runner.enable_compile(config.compile_max_batch_size)
+            log.info("compiled the decode step in %.1f s", time.monotonic() - t_compile)
         if config.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(config.seed)

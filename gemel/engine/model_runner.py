@@ -66,6 +66,8 @@ class ModelRunner:
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(arch.num_layers)]
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()
+        self.compiled_forward = None  # set by enable_compile()
+        self.compile_max_batch_size = 0
         self.structured = None  # StructuredOutputManager when any request is constrained
         self.generators: dict[str, torch.Generator] = {}
 
@@ -191,11 +193,49 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         self.generators.pop(seq_id, None)
 
+    # -- compiled decode ----------------------------------------------------------------
+    def enable_compile(self, max_batch_size: int) -> None:
+        """Compile the forward pass for decode-only steps of up to ``max_batch_size`` sequences.
+
+        At small batches a CPU step is mostly dispatch overhead of a few thousand small ops;
+        inductor fuses them (and, with freezing, folds the weights in). Shapes are dynamic in
+        batch and context length; batch 1 is specialised by PyTorch, so both it and one
+        larger batch are compiled here, before any request waits on it. Inductor caches the
+        generated code on disk, so later start-ups are much faster. Other steps stay eager.
+        """
+        self.compiled_forward = torch.compile(self.model.forward, dynamic=True, options={"freezing": True})
+        self.compile_max_batch_size = max_batch_size
+        for batch in sorted({1, min(2, max_batch_size)}):
+            self._warm_up_decode(batch, context=2 * self.block_size + 5)
+
+    @torch.inference_mode()
+    def _warm_up_decode(self, batch: int, context: int) -> None:
+        """One throw-away decode step over the first slots of the cache (no sequence owns
+        them yet at start-up; they only need to hold finite values afterwards)."""
+        slots = [list(range(context)) for _ in range(batch)]
+        group = build_group([range(b, b + 1) for b in range(batch)], [[context - 1]] * batch, slots,
+                            self.sliding_window, self.device)
+        meta = AttentionMetadata(slot_mapping=torch.full((batch,), context - 1, device=self.device),
+                                 groups=[group], num_tokens=batch)
+        ids = torch.zeros(batch, dtype=torch.long, device=self.device)
+        pos = torch.full((batch,), context - 1, dtype=torch.long, device=self.device)
+        self.compiled_forward(ids, pos, meta, self.kv_caches)
+
+    def _forward_for(self, sched: SchedulerOutput):
+        """The compiled forward for small decode-only steps, else the eager model."""
+        if (
+            self.compiled_forward is not None
+            and len(sched.scheduled) <= self.compile_max_batch_size
+            and all(n == 1 and not seq.spec_token_ids for seq, n in sched.scheduled)
+        ):
+            return self.compiled_forward
+        return self.model
+
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         ids, pos, meta, logits_rows = self.prepare(sched)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        hidden = self._forward_for(sched)(ids, pos, meta, self.kv_caches)
         seqs = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n >= seq.num_tokens]
         result = StepResult(seqs, [], [], [], {})
         if not seqs:

@@ -12,9 +12,14 @@ without re-laying-out the weight on every call, which is 1.2-2x faster at decode
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gemel.models.weights import Int4Groups, WeightSource
 
 
 class Linear(nn.Module):
@@ -27,6 +32,16 @@ class Linear(nn.Module):
         self.quant: str | None = None
         self.packed_max_rows = 0
         self.onednn_weight: torch.Tensor | None = None  # blocked copy from prepack_()
+        # Reads the checkpoint's own 4-bit groups of this weight, when it stores them (GGUF Q4_0/Q4_1).
+        self.checkpoint_int4: Callable[[], Int4Groups | None] | None = None
+
+    @classmethod
+    def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
+        """The named checkpoint tensors as one projection (fused when several)."""
+        lin = cls.fused([w.get(n) for n in names], [w.get(b) for b in bias_names] if bias_names else None)
+        if all(n in w.int4_factories for n in names):
+            lin.checkpoint_int4 = functools.partial(w.int4_groups, names)
+        return lin
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
@@ -47,30 +62,41 @@ class Linear(nn.Module):
         return True
 
     def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 32) -> None:
-        """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows."""
+        """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows.
+
+        ``checkpoint``: only where the checkpoint stores 4-bit groups, used as they are (the
+        file's exact weights); ``int4``: those, else groups re-quantised from the dense weight
+        (lossy); ``int8``: per-channel int8 re-quantised from the dense weight (lossy).
+        """
         if self.weight is None:
             raise RuntimeError("quantize_ needs the dense weight: call it before prepack_")
+        if mode not in ("checkpoint", "int4", "int8"):
+            raise ValueError(f"unknown weight quantisation {mode!r} (use checkpoint, int8 or int4)")
+        groups = self.checkpoint_int4() if self.checkpoint_int4 is not None and group_size == 32 else None
+        self.checkpoint_int4 = None  # read once; drops the reference to the checkpoint
+        if mode == "checkpoint" and groups is None:
+            return
         w = self.weight.detach().float()
         if mode == "int8":
             scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
             self.w_int8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
             self.w_scales = scales.to(self.weight.dtype)
-        elif mode == "int4":
+        else:
             out_features, in_features = w.shape
-            if in_features % group_size:
-                return  # the packed int4 kernel needs whole groups; stay dense
-            groups = w.view(out_features, in_features // group_size, group_size)
-            lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-            scales = ((hi - lo) / 15.0).clamp(min=1e-8)
-            zeros = lo + scales * 8.0  # the kernel computes (q - 8) * scale + zero
-            q = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-            self.w_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
+            if groups is None:
+                if in_features % group_size:
+                    return  # the packed int4 kernel needs whole groups; stay dense
+                grouped = w.view(out_features, in_features // group_size, group_size)
+                lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+                scales = ((hi - lo) / 15.0).clamp(min=1e-8)
+                q = torch.round((grouped - lo[..., None]) / scales[..., None]).clamp(0, 15)
+                groups = Int4Groups(q.view(out_features, in_features), scales, lo + scales * 8.0)
+            self.w_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
             self.w_scales_zeros = (
-                torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(self.weight.dtype)
+                torch.stack([groups.scale, groups.zero], dim=-1).transpose(0, 1).contiguous().to(self.weight.dtype)
             )
             self.group_size = group_size
-        else:
-            raise ValueError(f"unknown weight quantisation {mode!r} (use int8 or int4)")
+            mode = "int4"
         self.quant = mode
         self.packed_max_rows = packed_max_rows
 
@@ -87,10 +113,14 @@ class Linear(nn.Module):
 
 
 def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int) -> int:
-    """Give every projection of ``model`` a low-bit copy; returns how many were quantised."""
+    """Give every projection of ``model`` a low-bit copy (``mode`` as in ``Linear.quantize_``;
+    ``none`` only lets go of the checkpoint). Returns how many were quantised."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
+            if mode == "none":
+                module.checkpoint_int4 = None
+                continue
             module.quantize_(mode, packed_max_rows)
             count += module.quant is not None
     return count

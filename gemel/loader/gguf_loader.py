@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gemel.models.config import ModelArchConfig
+from gemel.models.weights import Int4Groups
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -196,3 +197,45 @@ def tensor_factories(reader, cfg: ModelArchConfig) -> dict:
         return load
 
     return {hf_name(t.name, cfg.architecture): make(t) for t in reader.tensors}
+
+
+def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
+    """HF name -> function producing the tensor's own 4-bit groups, for Q4_0 and Q4_1
+    tensors (blocks of 32 along the input dimension with one scale, and a minimum for Q4_1).
+
+    A packed int4 kernel fed these computes with exactly the file's weights, which is what
+    llama.cpp does with them, instead of re-quantising a dequantised copy.
+    """
+    from gguf import GGMLQuantizationType
+
+    q4_types = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+    def make(t):
+        def load() -> Int4Groups:
+            out_features, in_features = (int(x) for x in reversed(t.shape.tolist()))
+            has_min = t.tensor_type == GGMLQuantizationType.Q4_1
+            block_bytes = 20 if has_min else 18
+            blocks = np.asarray(t.data).reshape(out_features, in_features // 32, block_bytes)
+            scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            if has_min:  # w = d * q + m  ==  (q - 8) * d + (m + 8 d)
+                minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+                zero = minimum + 8.0 * scale
+            else:  # w = (q - 8) * d
+                zero = np.zeros_like(scale)
+            packed = blocks[..., block_bytes - 16 :]  # element j in the low nibble of byte j, j + 16 in the high
+            q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, in_features)
+            groups = Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
+            if cfg.architecture == "llama":
+                heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads}
+                for part, n in heads.items():
+                    if part in t.name:
+                        groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), n).copy()))
+            return groups
+
+        return load
+
+    return {
+        hf_name(t.name, cfg.architecture): make(t)
+        for t in reader.tensors
+        if t.tensor_type in q4_types and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
+    }

@@ -34,10 +34,10 @@ class Gemma3Layer(nn.Module):
         self.post_ffn_norm = _norm(w, p + "post_feedforward_layernorm.weight")
         self.q_norm = _norm(w, p + "self_attn.q_norm.weight")
         self.k_norm = _norm(w, p + "self_attn.k_norm.weight")
-        self.qkv_proj = Linear.fused([w.get(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])
-        self.o_proj = Linear(w.get(p + "self_attn.o_proj.weight"))
-        self.gate_up_proj = Linear.fused([w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight")])
-        self.down_proj = Linear(w.get(p + "mlp.down_proj.weight"))
+        self.qkv_proj = Linear.load(w, [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")])
+        self.o_proj = Linear.load(w, [p + "self_attn.o_proj.weight"])
+        self.gate_up_proj = Linear.load(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        self.down_proj = Linear.load(w, [p + "mlp.down_proj.weight"])
 
     def forward(self, x, rope, meta: AttentionMetadata, kv_cache):
         cfg = self.cfg
@@ -65,8 +65,10 @@ class Gemma3ForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(w.get("model.embed_tokens.weight"), requires_grad=False)
         self.layers = nn.ModuleList(Gemma3Layer(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = _norm(w, "model.norm.weight")
-        lm_head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", required=False)
-        self.lm_head = Linear(lm_head if lm_head is not None else self.embed_tokens)
+        if not cfg.tie_word_embeddings and "lm_head.weight" in w:
+            self.lm_head = Linear.load(w, ["lm_head.weight"])
+        else:
+            self.lm_head = Linear(self.embed_tokens)
         scaling = cfg.rope_scaling or {}
         factor = scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0
         self.global_rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, device, linear_factor=factor)

@@ -22,11 +22,11 @@ class LlamaLayer(nn.Module):
         self.input_norm = nn.Parameter(w.get(p + "input_layernorm.weight"), requires_grad=False)
         self.post_attn_norm = nn.Parameter(w.get(p + "post_attention_layernorm.weight"), requires_grad=False)
         names = ["q_proj", "k_proj", "v_proj"]
-        biases = [w.get(p + f"self_attn.{n}.bias") for n in names] if cfg.attention_bias else None
-        self.qkv_proj = Linear.fused([w.get(p + f"self_attn.{n}.weight") for n in names], biases)
-        self.o_proj = Linear(w.get(p + "self_attn.o_proj.weight"))
-        self.gate_up_proj = Linear.fused([w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight")])
-        self.down_proj = Linear(w.get(p + "mlp.down_proj.weight"))
+        biases = [p + f"self_attn.{n}.bias" for n in names] if cfg.attention_bias else None
+        self.qkv_proj = Linear.load(w, [p + f"self_attn.{n}.weight" for n in names], biases)
+        self.o_proj = Linear.load(w, [p + "self_attn.o_proj.weight"])
+        self.gate_up_proj = Linear.load(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        self.down_proj = Linear.load(w, [p + "mlp.down_proj.weight"])
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         cfg = self.cfg
@@ -49,8 +49,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(w.get("model.embed_tokens.weight"), requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(w.get("model.norm.weight"), requires_grad=False)
-        lm_head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", required=False)
-        self.lm_head = Linear(lm_head if lm_head is not None else self.embed_tokens)
+        if not cfg.tie_word_embeddings and "lm_head.weight" in w:
+            self.lm_head = Linear.load(w, ["lm_head.weight"])
+        else:
+            self.lm_head = Linear(self.embed_tokens)
         scaling = cfg.rope_scaling or {}
         self.rotary = RotaryEmbedding(
             cfg.head_dim,

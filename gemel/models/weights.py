@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 TensorFactory = Callable[[], torch.Tensor]
+
+
+@dataclass
+class Int4Groups:
+    """A weight stored as 4-bit groups of 32 along the input dimension, in the convention of
+    PyTorch's packed int4 kernel: ``w = (q - 8) * scale + zero`` per group."""
+
+    q: torch.Tensor  # [out, in] uint8 in 0..15
+    scale: torch.Tensor  # [out, in / 32] float32
+    zero: torch.Tensor  # [out, in / 32] float32
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int4Groups":
+        return Int4Groups(fn(self.q), fn(self.scale), fn(self.zero))
+
+    def dequantize(self) -> torch.Tensor:
+        out_features, in_features = self.q.shape
+        q = self.q.float().view(out_features, in_features // 32, 32)
+        return ((q - 8.0) * self.scale[..., None] + self.zero[..., None]).view(out_features, in_features)
+
+    @staticmethod
+    def cat(parts: list["Int4Groups"]) -> "Int4Groups":
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
+
+Int4Factory = Callable[[], Int4Groups]
 
 
 class WeightSource:
@@ -14,8 +40,16 @@ class WeightSource:
     dequantised one at a time; memory-mapped tensors already in the target dtype and
     device are returned as they are (no copy)."""
 
-    def __init__(self, factories: dict[str, TensorFactory], dtype: torch.dtype, device: torch.device, origin: str):
+    def __init__(
+        self,
+        factories: dict[str, TensorFactory],
+        dtype: torch.dtype,
+        device: torch.device,
+        origin: str,
+        int4_factories: dict[str, Int4Factory] | None = None,
+    ):
         self.factories = factories
+        self.int4_factories = int4_factories or {}
         self.dtype = dtype
         self.device = device
         self.origin = origin
@@ -36,3 +70,13 @@ class WeightSource:
         except Exception as exc:  # name the file and tensor, whatever went wrong underneath
             raise ValueError(f"{self.origin}: cannot read tensor {name!r}: {exc}") from exc
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def int4_groups(self, names: list[str]) -> Int4Groups | None:
+        """The checkpoint's own 4-bit groups of these tensors (stacked along the output
+        dimension), or None unless every one of them is stored that way."""
+        if not names or any(n not in self.int4_factories for n in names):
+            return None
+        try:
+            return Int4Groups.cat([self.int4_factories[n]() for n in names])
+        except Exception as exc:
+            raise ValueError(f"{self.origin}: cannot read the 4-bit groups of {names}: {exc}") from exc

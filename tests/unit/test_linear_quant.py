@@ -95,3 +95,25 @@ def test_bf16_engine_prepacked_matches_unpacked(tiny_llama_dir):
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].logprobs == y.outputs[0].logprobs
+
+
+def test_checkpoint_groups_are_used_exactly():
+    """weight_quant=checkpoint feeds the stored groups to the int4 kernel: the product equals
+    x @ W^T with W the stored weights (bf16 output rounding only), and it never re-quantises."""
+    from gemel.models.weights import Int4Groups
+
+    torch.manual_seed(0)
+    out_f, in_f = 64, 96
+    groups = Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8),
+                        torch.rand(out_f, in_f // 32) * 0.1 + 0.01, torch.randn(out_f, in_f // 32) * 0.1)
+    groups = Int4Groups(groups.q, groups.scale.bfloat16().float(), groups.zero.bfloat16().float())  # kernel keeps bf16
+    exact = groups.dequantize()
+    lin = Linear(exact.bfloat16())
+    lin.checkpoint_int4 = lambda: groups
+    lin.quantize_("checkpoint", packed_max_rows=4)
+    assert lin.quant == "int4" and lin.checkpoint_int4 is None
+    x = torch.randn(3, in_f).bfloat16()
+    torch.testing.assert_close(lin(x).float(), x.float() @ exact.T, atol=0.05, rtol=1e-2)
+    plain = Linear(torch.randn(8, 64).bfloat16())
+    plain.quantize_("checkpoint", packed_max_rows=4)  # nothing stored as 4-bit: stays dense
+    assert plain.quant is None

@@ -79,3 +79,44 @@ def test_unsupported_architecture_is_rejected(tmp_path, tiny_llama_dir):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(safetensors_loader.SafetensorsLoadError, match="MambaForCausalLM"):
         safetensors_loader.arch_config(str(d))
+
+
+def test_q4_groups_reproduce_the_files_weights(smollm2_path):
+    """The 4-bit groups read for the packed kernel dequantise to exactly the file's weights,
+    including the q/k rows that llama.cpp stores permuted."""
+    reader = gguf_loader.open_gguf(smollm2_path)
+    cfg = gguf_loader.arch_config(reader, smollm2_path)
+    dense = gguf_loader.tensor_factories(reader, cfg)
+    groups = gguf_loader.int4_group_factories(reader, cfg)
+    assert len(groups) == 7 * cfg.num_layers  # every Q4_1 projection; the Q8_0 embedding is not 4-bit
+    assert "model.embed_tokens.weight" not in groups
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight"):
+        g = groups[name]()
+        assert g.q.dtype == torch.uint8 and int(g.q.max()) <= 15
+        assert torch.equal(g.dequantize(), dense[name]().float())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_group_layouts_match_gguf_dequantisation(tmp_path, qtype):
+    import gguf
+    import numpy as np
+
+    from gemel.models.config import ModelArchConfig
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    path = str(tmp_path / "q4.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf_loader.open_gguf(path)
+    cfg = ModelArchConfig(architecture="llama", vocab_size=8, hidden_size=96, intermediate_size=48, num_layers=1,
+                          num_heads=1, num_kv_heads=1, head_dim=96, rms_norm_eps=1e-6, rope_theta=1e4,
+                          max_position_embeddings=64)
+    g = gguf_loader.int4_group_factories(reader, cfg)["model.layers.0.mlp.down_proj.weight"]()
+    expected = gguf.quants.dequantize(reader.tensors[0].data, kind).reshape(48, 96)
+    torch.testing.assert_close(g.dequantize(), torch.from_numpy(expected), atol=1e-6, rtol=1e-6)
