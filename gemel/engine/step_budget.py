@@ -36,13 +36,21 @@ class StepTimeModel:
         return max(my - slope * mx, 0.0), slope
 
     def budget(self, target_s: float, num_decoding: int, max_tokens: int) -> int:
-        """Tokens allowed in the next step while ``num_decoding`` sequences wait on it."""
+        """Tokens allowed in the next step while ``num_decoding`` sequences wait on it.
+
+        Cautious where the fit knows little: with no fit yet (e.g. only decode steps seen, all
+        the same size) the step gets the floor, and the fit is never extrapolated past twice
+        the largest step measured. A long prompt arriving after a run of decode-only steps
+        therefore probes 80, 160, 320 ... tokens instead of taking the whole budget at once
+        on a guess (which stalled every running stream for one long step).
+        """
         if num_decoding == 0:
             return max_tokens
+        floor = num_decoding + self.min_prefill_chunk  # prefills always make some progress
         fit = self.fit()
         if fit is None:
-            return max_tokens
+            return floor
         fixed, per_token = fit
         affordable = int((target_s - fixed) / per_token)
-        floor = num_decoding + self.min_prefill_chunk  # prefills always make some progress
+        affordable = min(affordable, 2 * max(n for n, _ in self.samples))
         return max(floor, min(max_tokens, affordable))

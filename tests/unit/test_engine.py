@@ -190,3 +190,39 @@ def test_outputs_identical_with_prefix_cache_on_and_off(tiny_llama_dir, llm):
     off = [o.outputs[0].token_ids for o in off_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert off_llm.engine.core.block_manager.stats.hits == 0
     assert on == off
+
+
+def test_split_by_context_keeps_similar_lengths_together():
+    from gemel.engine.model_runner import split_by_context
+
+    assert split_by_context([130, 200, 140, 256]) == [[0, 1, 2, 3]]  # the common case: one group, in order
+    assert split_by_context([120, 2000, 130, 150]) == [[0, 2, 3], [1]]  # the long one alone
+    assert split_by_context([]) == []
+    groups = split_by_context([5, 5000, 40, 900, 12000, 7], slack=16)
+    assert sorted(i for g in groups for i in g) == list(range(6))  # a partition
+    assert groups == [[0, 5], [2], [3], [1], [4]]
+
+
+def test_decodes_with_very_different_contexts_attend_in_separate_groups(tiny_llama_dir, llm):
+    """A long-context decode among short ones gets its own attention group (no padding of
+    the short ones to its length), and everyone's tokens equal their solo runs."""
+    long_prompt = [_rng.randrange(3, 300) for _ in range(400)]  # the tiny model has 512 positions
+    prompts = [long_prompt] + MIXED[:6]
+    runner = llm.engine.core.runner
+    seen: list[int] = []
+    prepare = runner.prepare
+
+    def spying(sched):
+        out = prepare(sched)
+        if all(n == 1 for _, n in sched.scheduled) and len(sched.scheduled) == len(prompts):
+            seen.append(len(out[2].groups))
+        return out
+
+    runner.prepare = spying
+    try:
+        together = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY))
+    finally:
+        runner.prepare = prepare
+    assert seen and all(g == 2 for g in seen)
+    alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
+    assert together == alone
