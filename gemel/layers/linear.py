@@ -72,6 +72,9 @@ class Linear(nn.Module):
             raise RuntimeError("quantize_ needs the dense weight: call it before prepack_")
         if mode not in ("checkpoint", "int4", "int8"):
             raise ValueError(f"unknown weight quantisation {mode!r} (use checkpoint, int8 or int4)")
+        if self.weight.device.type != "cpu":  # these packed kernels are CPU kernels; stay dense elsewhere
+            self.checkpoint_int4 = None
+            return
         groups = self.checkpoint_int4() if self.checkpoint_int4 is not None and group_size == 32 else None
         self.checkpoint_int4 = None  # read once; drops the reference to the checkpoint
         if mode == "checkpoint" and groups is None:
