@@ -40,7 +40,7 @@ class EngineCore:
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
         quantize_model_(self.loaded.model, config.weight_quant, config.packed_max_rows)
-        prepack_model_(self.loaded.model)
+        prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         num_blocks = config.num_kv_blocks or max(

@@ -52,13 +52,16 @@ class Linear(nn.Module):
             bias = biases[0] if len(biases) == 1 else torch.cat(biases, dim=0)
         return cls(weight, bias)
 
-    def prepack_(self, batch_hint: int = 64) -> bool:
-        """Replace a CPU bf16 weight by its oneDNN blocked copy. Returns whether it did."""
+    def prepack_(self, batch_hint: int = 64, keep_dense: bool = False) -> bool:
+        """Add the oneDNN blocked copy of a CPU bf16 weight; it replaces the dense weight unless
+        ``keep_dense`` (a torch.compile'd graph needs the dense one: inductor freezes and packs
+        it itself, and cannot take an already packed tensor). Returns whether it did."""
         w = self.weight
         if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
             return False
         self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        self.weight = None  # the blocked copy replaces it (a tied embedding keeps its own reference)
+        if not keep_dense:
+            self.weight = None  # a tied embedding keeps its own reference
         return True
 
     def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 32) -> None:
@@ -110,7 +113,7 @@ class Linear(nn.Module):
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
             return y if self.bias is None else y + self.bias
-        if self.onednn_weight is not None:
+        if self.onednn_weight is not None and not (self.weight is not None and torch.compiler.is_compiling()):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -129,6 +132,6 @@ def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int) -> int:
     return count
 
 
-def prepack_model_(model: nn.Module) -> int:
+def prepack_model_(model: nn.Module, keep_dense: bool = False) -> int:
     """oneDNN-blocked weights for every bf16 projection on CPU; returns how many."""
-    return sum(module.prepack_() for module in model.modules() if isinstance(module, Linear))
+    return sum(module.prepack_(keep_dense=keep_dense) for module in model.modules() if isinstance(module, Linear))
