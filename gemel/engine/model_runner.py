@@ -31,6 +31,23 @@ class StepResult:
     num_rejected: dict[str, int]
 
 
+# Below this many shared tokens the extra matmuls and merge of cascade attention cost more
+# than gathering the prefix once per sequence saves.
+CASCADE_MIN_SHARED_TOKENS = 256
+
+
+def shared_prefix_len(context_slots: list[np.ndarray], block_size: int) -> int:
+    """Tokens at the start of every context stored in the same cache slots (whole blocks),
+    leaving each sequence at least one token of its own."""
+    n = min(len(s) for s in context_slots) - 1
+    if n < block_size:
+        return 0
+    stacked = np.stack([s[:n] for s in context_slots])
+    differs = np.flatnonzero((stacked != stacked[0]).any(axis=0))
+    same = int(differs[0]) if differs.size else n
+    return same - same % block_size
+
+
 def split_by_context(context_lens: list[int], slack: int = 256) -> list[list[int]]:
     """Indices of decodes grouped so that no group pads short contexts to a much longer one.
 
@@ -120,11 +137,8 @@ class ModelRunner:
                 logits_rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
             elif end == seq.num_tokens:
                 logits_rows.append(row - 1)
-        groups = [
-            build_group([decode[0][i] for i in b], [decode[1][i] for i in b], [decode[2][i] for i in b],
-                        self.sliding_window, self.device)
-            for b in split_by_context([len(slots) for slots in decode[2]])
-        ]
+        groups = [self._decode_group([decode[0][i] for i in b], [decode[1][i] for i in b], [decode[2][i] for i in b])
+                  for b in split_by_context([len(slots) for slots in decode[2]])]
         if prefill[0]:
             groups.append(build_group(prefill[0], prefill[1], prefill[2], self.sliding_window, self.device))
         meta = AttentionMetadata(
@@ -135,6 +149,16 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
         return ids, pos, meta, logits_rows
+
+    def _decode_group(self, rows: list[range], positions: list[list[int]], slots: list[np.ndarray]):
+        """A decode group; cascaded when its sequences share a long enough context prefix."""
+        shared = 0
+        if self.sliding_window is None and len(slots) >= 2:
+            shared = shared_prefix_len(slots, self.block_size)
+        if shared >= CASCADE_MIN_SHARED_TOKENS:
+            return build_group(rows, positions, [s[shared:] for s in slots], None, self.device,
+                               shared_slots=slots[0][:shared].tolist())
+        return build_group(rows, positions, slots, self.sliding_window, self.device)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
@@ -251,6 +275,7 @@ class ModelRunner:
         if (
             self.compiled_forward is not None
             and len(meta.groups) == 1
+            and meta.groups[0].shared_slots is None
             and len(sched.scheduled) <= self.compile_max_batch_size
             and all(n == 1 and not seq.spec_token_ids for seq, n in sched.scheduled)
         ):

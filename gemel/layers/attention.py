@@ -27,6 +27,10 @@ class AttentionGroup:
     is_decode: bool = False  # one query per sequence: attention as two small batched matmuls
     bias: torch.Tensor | None = None  # decode only: [1, B, 1, max_ctx] float32, 0 or -inf
     sliding_bias: torch.Tensor | None = None
+    # Decode only: cache slots of a context prefix every sequence of the group shares (the
+    # same physical blocks, from the prefix cache or forking). kv_slots then hold only each
+    # sequence's own tail, and the shared part is attended once for the whole group.
+    shared_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -42,11 +46,14 @@ def build_group(
     context_slots: list[list[int]],
     sliding_window: int | None,
     device: torch.device,
+    shared_slots: list[int] | None = None,
 ) -> AttentionGroup:
     """Index tensors for sequences attended with one padded SDPA call.
 
     ``seq_rows[b]``: flat token rows of sequence b's new tokens; ``query_positions[b]``:
-    their absolute positions; ``context_slots[b]``: cache slots of positions 0..ctx-1.
+    their absolute positions; ``context_slots[b]``: cache slots of positions 0..ctx-1, or,
+    with ``shared_slots`` (decodes without a sliding window only), of the positions after
+    that shared prefix.
     """
     batch = len(seq_rows)
     max_q = max(len(r) for r in seq_rows)
@@ -92,6 +99,7 @@ def build_group(
         is_decode=is_decode,
         bias=bias(mask[:, 0, :]) if is_decode else None,
         sliding_bias=bias(sliding[:, 0, 0, :]) if is_decode and sliding is not None else None,
+        shared_slots=torch.as_tensor(shared_slots, dtype=torch.long, device=device) if shared_slots is not None else None,
     )
 
 
@@ -128,9 +136,44 @@ def _gather_context(cache: torch.Tensor, kv_slots: torch.Tensor, dtype: torch.dt
     return out.to(dtype)
 
 
+def _softmax_parts(scores: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
+    """Unnormalised attention over one part of the context: (max, sum of exp, weighted values)."""
+    m = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - m)
+    return m, p.sum(-1, keepdim=True), torch.matmul(p.to(dtype), values).float()
+
+
+def _cascade_decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale):
+    """Decode attention split at a prefix every sequence shares: the shared keys and values
+    are gathered once and multiplied with all the group's queries as one matrix, each
+    sequence's own tail goes the usual way, and the two softmax parts are merged by their
+    log-sum-exp (as cascade attention does on GPUs). 32 sequences behind a 1,000-token
+    system prompt then read it once per layer instead of 32 times."""
+    batch = group.query_index.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[0]
+    heads_per_kv = num_heads // num_kv
+    qg = q[group.query_index[:, 0]].view(batch, num_kv, heads_per_kv, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    ks = k_cache.index_select(1, group.shared_slots).to(q.dtype)  # [Hkv, S, D]
+    vs = v_cache.index_select(1, group.shared_slots).to(q.dtype)
+    rows = qg.reshape(num_kv, batch * heads_per_kv, head_dim)
+    m_s, l_s, o_s = _softmax_parts(torch.matmul(rows, ks.transpose(-1, -2)).float() * scale, vs, q.dtype)
+    shape = (num_kv, batch, heads_per_kv)
+    m_s, l_s, o_s = m_s.view(*shape, 1), l_s.view(*shape, 1), o_s.view(*shape, head_dim)
+    kt = _gather_context(k_cache, group.kv_slots, q.dtype)  # [Hkv, B, T, D]
+    vt = _gather_context(v_cache, group.kv_slots, q.dtype)
+    m_t, l_t, o_t = _softmax_parts(torch.matmul(qg, kt.transpose(-1, -2)).float() * scale + group.bias, vt, q.dtype)
+    m = torch.maximum(m_s, m_t)
+    w_s, w_t = torch.exp(m_s - m), torch.exp(m_t - m)
+    out = (o_s * w_s + o_t * w_t) / (l_s * w_s + l_t * w_t)
+    return out.to(q.dtype).transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+
 def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window):
     """One query per sequence. Two batched matmuls with the GQA group folded into the rows
     beat the fused SDPA kernel at these shapes on CPU (it is tuned for long queries)."""
+    if group.shared_slots is not None:
+        return _cascade_decode_attention(q, k_cache, v_cache, group, scale)
     batch = group.query_index.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     kg = _gather_context(k_cache, group.kv_slots, q.dtype)  # [Hkv, B, ctx, D]

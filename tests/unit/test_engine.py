@@ -226,3 +226,30 @@ def test_decodes_with_very_different_contexts_attend_in_separate_groups(tiny_lla
     assert seen and all(g == 2 for g in seen)
     alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
     assert together == alone
+
+
+def test_sequences_behind_a_shared_prefix_decode_with_cascade_attention(llm):
+    """Prompts sharing a 300-token prefix (cached blocks) decode with the prefix attended
+    once for the group; each one's tokens equal its solo run."""
+    from gemel.engine.model_runner import CASCADE_MIN_SHARED_TOKENS
+
+    prefix = [_rng.randrange(3, 300) for _ in range(300)]
+    assert len(prefix) >= CASCADE_MIN_SHARED_TOKENS
+    prompts = [prefix + [_rng.randrange(3, 300) for _ in range(n)] for n in (3, 9, 17, 1)]
+    alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
+    runner = llm.engine.core.runner
+    cascaded: list[int] = []
+    prepare = runner.prepare
+
+    def spying(sched):
+        out = prepare(sched)
+        cascaded.extend(g.shared_slots.numel() for g in out[2].groups if g.shared_slots is not None)
+        return out
+
+    runner.prepare = spying
+    try:
+        together = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY))
+    finally:
+        runner.prepare = prepare
+    assert cascaded and min(cascaded) >= CASCADE_MIN_SHARED_TOKENS
+    assert together == alone
