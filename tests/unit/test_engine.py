@@ -203,27 +203,33 @@ def test_split_by_context_keeps_similar_lengths_together():
     assert groups == [[0, 5], [2], [3], [1], [4]]
 
 
+def _generate_recording_steps(llm, prompts):
+    """Greedy tokens of ``prompts`` run together, and (scheduled, attention metadata) of each step."""
+    runner = llm.engine.core.runner
+    steps: list[tuple] = []
+    prepare = runner.prepare
+
+    def recording(sched):
+        out = prepare(sched)
+        steps.append((sched.scheduled, out[2]))
+        return out
+
+    runner.prepare = recording
+    try:
+        return _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)), steps
+    finally:
+        runner.prepare = prepare
+
+
 def test_decodes_with_very_different_contexts_attend_in_separate_groups(tiny_llama_dir, llm):
     """A long-context decode among short ones gets its own attention group (no padding of
     the short ones to its length), and everyone's tokens equal their solo runs."""
     long_prompt = [_rng.randrange(3, 300) for _ in range(400)]  # the tiny model has 512 positions
     prompts = [long_prompt] + MIXED[:6]
-    runner = llm.engine.core.runner
-    seen: list[int] = []
-    prepare = runner.prepare
-
-    def spying(sched):
-        out = prepare(sched)
-        if all(n == 1 for _, n in sched.scheduled) and len(sched.scheduled) == len(prompts):
-            seen.append(len(out[2].groups))
-        return out
-
-    runner.prepare = spying
-    try:
-        together = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY))
-    finally:
-        runner.prepare = prepare
-    assert seen and all(g == 2 for g in seen)
+    together, steps = _generate_recording_steps(llm, prompts)
+    full_decodes = [len(meta.groups) for scheduled, meta in steps
+                    if len(scheduled) == len(prompts) and all(n == 1 for _, n in scheduled)]
+    assert full_decodes and all(g == 2 for g in full_decodes)
     alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
     assert together == alone
 
@@ -237,19 +243,7 @@ def test_sequences_behind_a_shared_prefix_decode_with_cascade_attention(llm):
     assert len(prefix) >= CASCADE_MIN_SHARED_TOKENS
     prompts = [prefix + [_rng.randrange(3, 300) for _ in range(n)] for n in (3, 9, 17, 1)]
     alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
-    runner = llm.engine.core.runner
-    cascaded: list[int] = []
-    prepare = runner.prepare
-
-    def spying(sched):
-        out = prepare(sched)
-        cascaded.extend(g.shared_slots.numel() for g in out[2].groups if g.shared_slots is not None)
-        return out
-
-    runner.prepare = spying
-    try:
-        together = _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY))
-    finally:
-        runner.prepare = prepare
+    together, steps = _generate_recording_steps(llm, prompts)
+    cascaded = [g.shared_slots.numel() for _, meta in steps for g in meta.groups if g.shared_slots is not None]
     assert cascaded and min(cascaded) >= CASCADE_MIN_SHARED_TOKENS
     assert together == alone
