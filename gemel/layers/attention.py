@@ -136,6 +136,12 @@ def _gather_context(cache: torch.Tensor, kv_slots: torch.Tensor, dtype: torch.dt
     return out.to(dtype)
 
 
+def _decode_queries(q: torch.Tensor, group: AttentionGroup, num_kv: int) -> torch.Tensor:
+    """The group's one query per sequence as [Hkv, B, G, D], the GQA group G folded into rows."""
+    batch, (num_heads, head_dim) = group.query_index.shape[0], q.shape[1:]
+    return q[group.query_index[:, 0]].view(batch, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
+
+
 def _softmax_parts(scores: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
     """Unnormalised attention over one part of the context: (max, sum of exp, weighted values)."""
     m = scores.amax(-1, keepdim=True)
@@ -149,11 +155,9 @@ def _cascade_decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale)
     sequence's own tail goes the usual way, and the two softmax parts are merged by their
     log-sum-exp (as cascade attention does on GPUs). 32 sequences behind a 1,000-token
     system prompt then read it once per layer instead of 32 times."""
-    batch = group.query_index.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv = k_cache.shape[0]
-    heads_per_kv = num_heads // num_kv
-    qg = q[group.query_index[:, 0]].view(batch, num_kv, heads_per_kv, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    qg = _decode_queries(q, group, k_cache.shape[0])  # [Hkv, B, G, D]
+    num_kv, batch, heads_per_kv, head_dim = qg.shape
+    num_heads = num_kv * heads_per_kv
     ks = k_cache.index_select(1, group.shared_slots).to(q.dtype)  # [Hkv, S, D]
     vs = v_cache.index_select(1, group.shared_slots).to(q.dtype)
     rows = qg.reshape(num_kv, batch * heads_per_kv, head_dim)
@@ -178,8 +182,7 @@ def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sli
     num_heads, head_dim = q.shape[1], q.shape[2]
     kg = _gather_context(k_cache, group.kv_slots, q.dtype)  # [Hkv, B, ctx, D]
     vg = _gather_context(v_cache, group.kv_slots, q.dtype)
-    num_kv = kg.shape[0]
-    qg = q[group.query_index[:, 0]].view(batch, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
+    qg = _decode_queries(q, group, kg.shape[0])
     scores = torch.matmul(qg, kg.transpose(-1, -2)).float() * scale  # [Hkv, B, G, ctx]
     bias = group.sliding_bias if (use_sliding_window and group.sliding_bias is not None) else group.bias
     probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)

@@ -158,6 +158,17 @@ def arch_config(reader, path: str) -> ModelArchConfig:
     return cfg
 
 
+def _rope_permuted_heads(cfg: ModelArchConfig, gguf_name: str) -> int | None:
+    """Heads of a Llama q/k projection whose rows llama.cpp stored permuted, else None."""
+    if cfg.architecture != "llama" or not gguf_name.startswith("blk."):
+        return None
+    if ".attn_q." in gguf_name:
+        return cfg.num_heads
+    if ".attn_k." in gguf_name:
+        return cfg.num_kv_heads
+    return None
+
+
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp stores Llama q/k rows interleaved for its RoPE; undo to the HF half-split layout."""
     shape = w.shape
@@ -187,11 +198,9 @@ def tensor_factories(reader, cfg: ModelArchConfig) -> dict:
                     tensor = arr.reshape(shape)
             else:
                 tensor = torch.from_numpy(quants.dequantize(t.data, t.tensor_type)).reshape(shape)
-            if cfg.architecture == "llama" and t.name.startswith("blk."):
-                heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads}
-                for part, n in heads.items():
-                    if part in t.name:
-                        tensor = torch.from_numpy(_unpermute_rope(tensor.float().numpy(), n).copy())
+            heads = _rope_permuted_heads(cfg, t.name)
+            if heads is not None:
+                tensor = torch.from_numpy(_unpermute_rope(tensor.float().numpy(), heads).copy())
             return tensor
 
         return load
@@ -225,11 +234,9 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
             packed = blocks[..., block_bytes - 16 :]  # element j in the low nibble of byte j, j + 16 in the high
             q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, in_features)
             groups = Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
-            if cfg.architecture == "llama":
-                heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads}
-                for part, n in heads.items():
-                    if part in t.name:
-                        groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), n).copy()))
+            heads = _rope_permuted_heads(cfg, t.name)
+            if heads is not None:
+                groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), heads).copy()))
             return groups
 
         return load
