@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from gemel.observability.periodic import Periodic
 from gemel.observability.stats import EngineObserver, IterationStats
 
 SAMPLE_INTERVAL_S = 1.0
@@ -61,7 +61,7 @@ class DashboardState:
         self.series: deque[dict] = deque(maxlen=SERIES_LEN)
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0}
         self.finish_reasons: dict[str, int] = {}
-        self._task: asyncio.Task | None = None
+        self._sampler = Periodic(self.sample, SAMPLE_INTERVAL_S, "dashboard sampler")
 
     def observer(self, model_name: str) -> DashboardObserver:
         return DashboardObserver(self, model_name)
@@ -84,20 +84,10 @@ class DashboardState:
     # -- the once-a-second sampler ----------------------------------------------------------
     def start(self) -> None:
         self.sample()
-        self._task = asyncio.ensure_future(self._run())
+        self._sampler.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(SAMPLE_INTERVAL_S)
-            self.sample()
+        await self._sampler.stop()
 
     def sample(self) -> None:
         running = waiting = queries = hits = 0

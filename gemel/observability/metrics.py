@@ -16,7 +16,6 @@ several apps in one process. Gateway rejections are read at scrape time from the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gemel.observability.periodic import Periodic
 from gemel.observability.stats import EngineObserver, IterationStats
 
 log = logging.getLogger("gemel.stats")
@@ -268,20 +268,15 @@ class StatsLogger:
         self.engines = engines
         self.interval_s = interval_s
         self._last: dict[str, tuple[float, float, float, int, int]] = {}
-        self._task: asyncio.Task | None = None
+        self._logger = Periodic(self.log_due_lines, interval_s, "stats log")
 
     def start(self) -> None:
         if self.interval_s > 0:
             self._snapshot_all()
-            self._task = asyncio.ensure_future(self._run())
+            self._logger.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._logger.stop()
 
     def _snapshot_all(self) -> None:
         now = time.monotonic()
@@ -293,14 +288,9 @@ class StatsLogger:
         s = engine.stats
         return now, t.get("prompt_tokens", 0), t.get("generation_tokens", 0), s.prefix_cache_queries, s.prefix_cache_hits
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                for line in self.lines():
-                    log.info("%s", line)
-            except Exception:
-                log.exception("stats log failed")
+    def log_due_lines(self) -> None:
+        for line in self.lines():
+            log.info("%s", line)
 
     def lines(self) -> list[str]:
         """The lines due now (and the new baseline); a model with no activity logs nothing."""
