@@ -54,6 +54,11 @@ class EngineConfig(BaseModel):
         "checkpoint = the GGUF's own Q4_0/Q4_1 groups, exact; int8/int4 = re-quantised, lossy",
     )
     packed_max_rows: int = Field(4, ge=0, description="use the packed low-bit kernels up to this many rows")
+    cpu_attention_kernel: bool = Field(
+        True,
+        description="decode attention through a C++ kernel that reads the paged KV cache in place (CPU; "
+        "built with the system C++ compiler on first use and cached; the PyTorch path where it cannot be built)",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the forward pass of decode-only steps of up to compile_max_batch_size "

@@ -56,6 +56,8 @@ class EngineCore:
             self.block_manager,
         )
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device)
+        if config.cpu_attention_kernel and self.device.type == "cpu":
+            log.info("C++ decode attention kernel: %s", "on" if self.runner.enable_decode_kernel() else "off")
         if config.compile:
             t_compile = time.monotonic()
             self.runner.enable_compile(config.compile_max_batch_size)

@@ -13,6 +13,7 @@ import torch
 
 from gemel.engine.scheduler import SchedulerOutput
 from gemel.engine.sequence import Sequence
+from gemel.layers import cpu_kernels
 from gemel.layers.attention import AttentionMetadata, build_group
 from gemel.engine.spec_decode import verify
 from gemel.layers.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -103,6 +104,7 @@ class ModelRunner:
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(arch.num_layers)]
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()
+        self.decode_kernel = False  # set by enable_decode_kernel()
         self.compiled_forward = None  # set by enable_compile()
         self.compile_max_batch_size = 0
         self.structured = None  # StructuredOutputManager when any request is constrained
@@ -145,6 +147,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(self.device),
             groups=groups,
             num_tokens=row,
+            decode_kernel=self.decode_kernel,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
@@ -222,6 +225,7 @@ class ModelRunner:
                 slot_mapping=torch.from_numpy(np.array([sl[-1] for sl in slots])).to(self.device),
                 groups=[group],
                 num_tokens=len(seqs),
+                decode_kernel=self.decode_kernel,
             )
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -241,6 +245,13 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         self.generators.pop(seq_id, None)
 
+    # -- CPU decode attention kernel ----------------------------------------------------
+    def enable_decode_kernel(self) -> bool:
+        """Decode attention through the C++ kernel that reads the paged cache in place (CPU
+        only; built on first use). Returns whether it is on: without a compiler it stays off."""
+        self.decode_kernel = self.device.type == "cpu" and cpu_kernels.load()
+        return self.decode_kernel
+
     # -- compiled decode ----------------------------------------------------------------
     def enable_compile(self, max_batch_size: int) -> None:
         """Compile the forward pass for decode-only steps of up to ``max_batch_size`` sequences.
@@ -256,6 +267,7 @@ class ModelRunner:
         for batch in sorted({1, min(2, max_batch_size)}):
             self._warm_up_decode(batch, context=2 * self.block_size + 5)
 
+
     @torch.inference_mode()
     def _warm_up_decode(self, batch: int, context: int) -> None:
         """One throw-away decode step over the first slots of the cache (no sequence owns
@@ -264,7 +276,7 @@ class ModelRunner:
         group = build_group([range(b, b + 1) for b in range(batch)], [[context - 1]] * batch, slots,
                             self.sliding_window, self.device)
         meta = AttentionMetadata(slot_mapping=torch.full((batch,), context - 1, device=self.device),
-                                 groups=[group], num_tokens=batch)
+                                 groups=[group], num_tokens=batch, decode_kernel=self.decode_kernel)
         ids = torch.zeros(batch, dtype=torch.long, device=self.device)
         pos = torch.full((batch,), context - 1, dtype=torch.long, device=self.device)
         self.compiled_forward(ids, pos, meta, self.kv_caches)

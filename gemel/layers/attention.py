@@ -5,7 +5,9 @@ K/V goes (``slot_mapping``) and, for each group of sequences, index tensors that
 their queries and their whole context from the paged cache into a padded batch. Every
 layer then does one ``index_copy_`` and one SDPA call per group; there is no Python loop
 over sequences or blocks in the layer. Decodes (one query token) and prefills form
-separate groups so a long prefill does not pad every decode to its length.
+separate groups so a long prefill does not pad every decode to its length. On CPU, decode
+groups can instead go through a C++ kernel that reads the cache in place
+(``AttentionMetadata.decode_kernel``, see :mod:`gemel.layers.cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class AttentionGroup:
     # same physical blocks, from the prefix cache or forking). kv_slots then hold only each
     # sequence's own tail, and the shared part is attended once for the whole group.
     shared_slots: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None  # [B] int64: valid entries of each row of kv_slots
+    sliding_window: int = 0  # window of the sliding-window layers (0: the model has none)
 
 
 @dataclass
@@ -38,6 +42,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     num_tokens: int
+    # Plain decode groups use torch.ops.gemel.paged_decode_attention (CPU, loaded by the runner).
+    decode_kernel: bool = False
 
 
 def build_group(
@@ -100,6 +106,8 @@ def build_group(
         bias=bias(mask[:, 0, :]) if is_decode else None,
         sliding_bias=bias(sliding[:, 0, 0, :]) if is_decode and sliding is not None else None,
         shared_slots=torch.as_tensor(shared_slots, dtype=torch.long, device=device) if shared_slots is not None else None,
+        context_lens=ctx_len.to(device),
+        sliding_window=sliding_window or 0,
     )
 
 
@@ -118,13 +126,14 @@ def paged_attention(
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     num_tokens, num_heads, head_dim = q.shape
     gqa = num_heads != k.shape[1]
+    kernel = meta.decode_kernel
     if len(meta.groups) == 1 and meta.groups[0].valid_rows.numel() == num_tokens:
-        return _group_attention(q, k_cache, v_cache, meta.groups[0], scale, use_sliding_window, gqa)[
+        return _group_attention(q, k_cache, v_cache, meta.groups[0], scale, use_sliding_window, gqa, kernel)[
             meta.groups[0].valid_rows
         ].reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
-        o = _group_attention(q, k_cache, v_cache, group, scale, use_sliding_window, gqa)
+        o = _group_attention(q, k_cache, v_cache, group, scale, use_sliding_window, gqa, kernel)
         out.index_copy_(0, group.token_rows, o[group.valid_rows])
     return out.view(num_tokens, num_heads * head_dim)
 
@@ -173,11 +182,17 @@ def _cascade_decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale)
     return out.to(q.dtype).transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
-def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window):
+def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window, kernel=False):
     """One query per sequence. Two batched matmuls with the GQA group folded into the rows
-    beat the fused SDPA kernel at these shapes on CPU (it is tuned for long queries)."""
+    beat the fused SDPA kernel at these shapes on CPU (it is tuned for long queries); the
+    C++ kernel, where loaded, beats both by not copying the context out of the cache."""
     if group.shared_slots is not None:
         return _cascade_decode_attention(q, k_cache, v_cache, group, scale)
+    if kernel and q.dtype == k_cache.dtype:
+        window = group.sliding_window if use_sliding_window else 0
+        return torch.ops.gemel.paged_decode_attention(
+            q[group.query_index[:, 0]], k_cache, v_cache, group.kv_slots, group.context_lens, scale, window
+        )
     batch = group.query_index.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     kg = _gather_context(k_cache, group.kv_slots, q.dtype)  # [Hkv, B, ctx, D]
@@ -190,9 +205,9 @@ def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sli
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
-def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window, gqa):
+def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window, gqa, kernel=False):
     if group.is_decode:
-        return _decode_attention(q, k_cache, v_cache, group, scale, use_sliding_window)
+        return _decode_attention(q, k_cache, v_cache, group, scale, use_sliding_window, kernel)
     batch, max_q = group.query_index.shape
     qg = q[group.query_index].transpose(1, 2)  # [B, Hq, max_q, D]
     kg = _gather_context(k_cache, group.kv_slots, q.dtype).transpose(0, 1)  # [B, Hkv, max_ctx, D]

@@ -9,6 +9,18 @@ from gemel import LLM, SamplingParams
 pytestmark = pytest.mark.slow  # an inductor compile takes tens of seconds on two cores
 
 
+def _same_until_tie(eager, compiled, tol: float) -> int:
+    """Number of leading greedy tokens the two runs share. They may part only at a step whose
+    two best tokens are within ``tol`` of each other in the eager run: rounding decides such a
+    step (in bf16 two logits can even be equal), so either token is right there."""
+    for i, (a, b) in enumerate(zip(eager.token_ids, compiled.token_ids)):
+        if a != b:
+            top = eager.logprobs[i].top
+            assert top[0][1] - top[1][1] < tol, f"step {i}: {a} vs {b} without a near-tie"
+            return i
+    return len(eager.token_ids)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the oneDNN-prepacked projections
 def test_compiled_decode_matches_eager(tiny_llama_dir, dtype):
     prompts = [[5, 17, 33, 90], [200, 11, 4, 4, 4, 60, 7], [150] * 12]
@@ -28,7 +40,8 @@ def test_compiled_decode_matches_eager(tiny_llama_dir, dtype):
         a = eager.generate(prompt_token_ids=batch, sampling_params=params)
         b = compiled.generate(prompt_token_ids=batch, sampling_params=params)
         for x, y in zip(a, b):
-            assert x.outputs[0].token_ids == y.outputs[0].token_ids
-            for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-                assert abs(lx.logprob - ly.logprob) < (1e-3 if dtype == "float32" else 5e-2)
+            tol = 1e-3 if dtype == "float32" else 5e-2
+            n = _same_until_tie(x.outputs[0], y.outputs[0], tol)
+            for lx, ly in zip(x.outputs[0].logprobs[:n], y.outputs[0].logprobs[:n]):
+                assert abs(lx.logprob - ly.logprob) < tol
     assert calls["compiled"] == 2 * (params.max_tokens - 1)  # the decode steps of batches 1 and 2

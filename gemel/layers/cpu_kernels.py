@@ -1,0 +1,98 @@
+"""C++ CPU kernels, built on first use with the machine's C++ compiler and cached on disk.
+
+The one kernel so far is decode attention that reads the paged KV cache in place
+(``csrc/paged_attention.cpp``). It is compiled against the installed PyTorch's headers and
+libraries (the same compiler ``torch.compile`` needs on CPU), once per source, PyTorch
+version and CPU, and cached under ``$GEMEL_KERNEL_CACHE`` (default
+``~/.cache/gemel/kernels``). Where it cannot be built, :func:`load` returns False and the
+caller keeps the pure PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_loaded: bool | None = None  # None: not tried yet
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("GEMEL_KERNEL_CACHE", Path.home() / ".cache" / "gemel" / "kernels"))
+
+
+def _build(target: Path) -> None:
+    """Compile the source into ``target`` (written atomically, so concurrent builds are safe)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found")
+    torch_lib = library_paths()[0]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [
+            compiler, str(SOURCE), "-o", str(out), "-shared", "-fPIC", "-std=c++17", "-O3",
+            "-march=native", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *[f"-I{p}" for p in include_paths()],
+            # libgomp is PyTorch's own copy (same soname), so the kernel shares its thread pool.
+            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{result.stderr[-2000:]}")
+        os.replace(out, target)
+
+
+def load() -> bool:
+    """Make ``torch.ops.gemel.*`` available on CPU; False (logged once) where it cannot be built."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / key / "gemel_cpu_kernels.so"
+    try:
+        if not target.exists():
+            log.info("building the C++ CPU kernels (once; cached in %s)", target.parent)
+            _build(target)
+        torch.ops.load_library(str(target))
+        _register_fake()
+        _loaded = True
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the fallback"
+        log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", exc)
+        _loaded = False
+    return _loaded
+
+
+def _register_fake() -> None:
+    """Shape-only version for ``torch.compile`` tracing: a new contiguous tensor of q's shape,
+    as the kernel returns (``empty_like`` would copy the strides of a strided q)."""
+
+    @torch.library.register_fake("gemel::paged_decode_attention")
+    def _(q, k_cache, v_cache, kv_slots, context_lens, scale, window):
+        return q.new_empty(q.shape)

@@ -1,0 +1,133 @@
+// Decode attention over the paged KV cache, reading each sequence's keys and values where
+// they lie in the cache instead of gathering them into a padded copy first.
+//
+// One task per (sequence, KV head): the GQA query heads that share that KV head are scored
+// together, so each cached key and value row is read once per task. Scores, softmax and the
+// weighted sum are float32. Tasks run on PyTorch's own intra-op thread pool.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// One cache row to float32. bfloat16 is the top half of a float32, so a shift does it in a
+// loop the compiler vectorises (c10::BFloat16's scalar conversion does not vectorise).
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <typename T>
+void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* kv_slots,
+                      const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads,
+                      int64_t num_kv, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
+                      float scale, int64_t window) {
+  const int64_t group = num_heads / num_kv;
+  at::parallel_for(0, batch * num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv, h = task % num_kv;
+      const int64_t len = context_lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      const int64_t* slots = kv_slots + b * max_ctx + start;
+      const T* q_rows = q + (b * num_heads + h * group) * head_dim;
+      T* out_rows = out + (b * num_heads + h * group) * head_dim;
+      if (n <= 0) {
+        std::fill(out_rows, out_rows + group * head_dim, T(0));
+        continue;
+      }
+      row_to_float(q_rows, query.data(), group * head_dim);
+      for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
+      scores.resize(group * n);
+      // Scores: one pass over the keys, every query head of the group per key.
+      for (int64_t t = 0; t < n; ++t) {
+        row_to_float(k_cache + (h * num_slots + slots[t]) * head_dim, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+          scores[g * n + t] = dot;
+        }
+      }
+      // Softmax per query head (unnormalised; divided out at the end).
+      std::vector<float> total(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) peak = std::max(peak, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = std::exp(s[t] - peak);
+          sum += s[t];
+        }
+        total[g] = sum;
+      }
+      // Weighted sum of the values: one pass over the values.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        row_to_float(v_cache + (h * num_slots + slots[t]) * head_dim, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + t];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);
+    }
+  });
+}
+
+// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q); kv_slots: [B, max_ctx]
+// int64 cache slots of each sequence's positions 0..len-1; context_lens: [B] int64.
+// window > 0 restricts each query to its last `window` positions (sliding-window layers).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& kv_slots,
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,Hq,D], caches [Hkv,S,D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(kv_slots.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "kv_slots and context_lens must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const auto qc = q.contiguous();
+  const auto slots = kv_slots.contiguous();
+  const auto lens = context_lens.contiguous();
+  auto out = at::empty_like(qc);
+  const int64_t batch = qc.size(0), num_heads = qc.size(1), head_dim = qc.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                               v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                               lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads,
+                               k_cache.size(0), head_dim, k_cache.size(1), slots.size(1),
+                               static_cast<float>(scale), window);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gemel, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_slots, "
+        "Tensor context_lens, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
