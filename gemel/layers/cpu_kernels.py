@@ -56,10 +56,10 @@ def _build(target: Path) -> None:
         out = Path(tmp) / target.name
         cmd = [
             compiler, str(SOURCE), "-o", str(out), "-shared", "-fPIC", "-std=c++17", "-O3",
-            "-march=native", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-march=native", "-fopenmp", "-ffast-math", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *[f"-I{p}" for p in include_paths()],
             # libgomp is PyTorch's own copy (same soname), so the kernel shares its thread pool.
-            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lmvec",
         ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:

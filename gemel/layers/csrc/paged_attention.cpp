@@ -10,8 +10,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -30,6 +34,86 @@ inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int6
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+#if defined(__AVX512F__)
+// 16 consecutive cache elements as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename T>
+constexpr bool kHasLoad16 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+#endif
+
+// scores[g * n + t] = query_g . key_t for the task's n keys (query already scaled).
+template <typename T>
+inline void score_keys(const float* query, const T* k_cache, const int64_t* slots, int64_t n,
+                       int64_t group, int64_t head_dim, float* scores, float* row) {
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<T>) {
+    if (head_dim % 16 == 0) {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* key = k_cache + slots[t] * head_dim;
+        if (t + 2 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t + 2] * head_dim), _MM_HINT_T0);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query + g * head_dim;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t d = 0; d < head_dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(key + d), acc);
+          scores[g * n + t] = _mm512_reduce_add_ps(acc);
+        }
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    row_to_float(k_cache + slots[t] * head_dim, row, head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = query + g * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+      scores[g * n + t] = dot;
+    }
+  }
+}
+
+// acc[g * head_dim + d] += sum_t probs[g * n + t] * value_t[d].
+template <typename T>
+inline void weigh_values(const float* probs, const T* v_cache, const int64_t* slots, int64_t n,
+                         int64_t group, int64_t head_dim, float* acc, float* row) {
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<T>) {
+    if (head_dim % 16 == 0) {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* value = v_cache + slots[t] * head_dim;
+        if (t + 2 < n) _mm_prefetch(reinterpret_cast<const char*>(v_cache + slots[t + 2] * head_dim), _MM_HINT_T0);
+        for (int64_t d = 0; d < head_dim; d += 16) {
+          const __m512 v = load16(value + d);
+          for (int64_t g = 0; g < group; ++g) {
+            float* a = acc + g * head_dim + d;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[g * n + t]), v, _mm512_loadu_ps(a)));
+          }
+        }
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    row_to_float(v_cache + slots[t] * head_dim, row, head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = probs[g * n + t];
+      float* a = acc + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+    }
+  }
+}
+
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* kv_slots,
                       const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads,
@@ -37,7 +121,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
                       float scale, int64_t window) {
   const int64_t group = num_heads / num_kv;
   at::parallel_for(0, batch * num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    std::vector<float> query(group * head_dim), acc(group * head_dim), row(head_dim), total(group), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv, h = task % num_kv;
       const int64_t len = context_lens[b];
@@ -54,40 +138,25 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
       for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
       scores.resize(group * n);
       // Scores: one pass over the keys, every query head of the group per key.
-      for (int64_t t = 0; t < n; ++t) {
-        row_to_float(k_cache + (h * num_slots + slots[t]) * head_dim, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = query.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * n + t] = dot;
-        }
-      }
+      const T* k_head = k_cache + h * num_slots * head_dim;
+      score_keys(query.data(), k_head, slots, n, group, head_dim, scores.data(), row.data());
       // Softmax per query head (unnormalised; divided out at the end).
-      std::vector<float> total(group);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) peak = std::max(peak, s[t]);
+        float peak = s[0];
+#pragma omp simd reduction(max : peak)
+        for (int64_t t = 1; t < n; ++t) peak = std::max(peak, s[t]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - peak);
+          s[t] = std::exp(s[t] - peak);  // vectorised by libmvec (built with -ffast-math)
           sum += s[t];
         }
         total[g] = sum;
       }
       // Weighted sum of the values: one pass over the values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        row_to_float(v_cache + (h * num_slots + slots[t]) * head_dim, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
-        }
-      }
+      weigh_values(scores.data(), v_cache + h * num_slots * head_dim, slots, n, group, head_dim, acc.data(), row.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);
