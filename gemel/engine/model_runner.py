@@ -93,15 +93,18 @@ class ModelRunner:
         slots = num_blocks * block_size
         # Head-major ([kv_heads, slots, head_dim] per layer) so a gather of a batch's context
         # is already in the layout the attention matmuls want, with no transposing copy.
-        shape = (arch.num_layers, arch.num_kv_heads, slots, arch.head_dim)
+        shape = (arch.num_kv_heads, slots, arch.head_dim)
         # Uninitialised: every slot is written before it is read, and pages are only
         # touched when first used (zeroing gigabytes up front costs seconds of start-up).
-        # Slot 0 pads gathers of short contexts, so it must hold finite values.
-        self.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
-        self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
-        self.k_cache[:, :, :block_size].zero_()
-        self.v_cache[:, :, :block_size].zero_()
-        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(arch.num_layers)]
+        # Slot 0 pads gathers of short contexts, so it must hold finite values. One tensor
+        # per layer rather than views of one: torch.compile then checks 60 inputs for
+        # aliasing cheaply instead of computing storage overlaps on every call.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _ in range(arch.num_layers):
+            k, v = (torch.empty(shape, dtype=self.kv_dtype, device=device) for _ in range(2))
+            k[:, :block_size].zero_()
+            v[:, :block_size].zero_()
+            self.kv_caches.append((k, v))
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()
         self.decode_kernel = False  # set by enable_decode_kernel()
@@ -239,8 +242,9 @@ class ModelRunner:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block in every layer (copy-on-write of a forked sequence's last block)."""
         bs = self.block_size
-        for cache in (self.k_cache, self.v_cache):
-            cache[:, :, dst * bs : (dst + 1) * bs] = cache[:, :, src * bs : (src + 1) * bs]
+        for layer in self.kv_caches:
+            for cache in layer:
+                cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
 
     def release(self, seq_id: str) -> None:
         self.generators.pop(seq_id, None)
