@@ -1,11 +1,12 @@
 """C++ CPU kernels, built on first use with the machine's C++ compiler and cached on disk.
 
-The one kernel so far is decode attention that reads the paged KV cache in place
-(``csrc/paged_attention.cpp``). It is compiled against the installed PyTorch's headers and
-libraries (the same compiler ``torch.compile`` needs on CPU), once per source, PyTorch
-version and CPU, and cached under ``$GEMEL_KERNEL_CACHE`` (default
-``~/.cache/gemel/kernels``). Where it cannot be built, :func:`load` returns False and the
-caller keeps the pure PyTorch path.
+Two kernels so far, both under ``torch.ops.gemel``: decode attention that reads the paged
+KV cache in place (``csrc/paged_attention.cpp``) and small-batch projections on a weight's
+own int8 groups (``csrc/int8_group_mm.cpp``, GGUF Q8_0). They are compiled into one library
+against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
+also needs on CPU), once per source, PyTorch version and CPU, and cached under
+``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`
+returns False and callers keep their pure PyTorch paths.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _loaded: bool | None = None  # None: not tried yet
 
 
@@ -43,7 +44,7 @@ def _cache_dir() -> Path:
 
 
 def _build(target: Path) -> None:
-    """Compile the source into ``target`` (written atomically, so concurrent builds are safe)."""
+    """Compile the sources into ``target`` (written atomically, so concurrent builds are safe)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -55,7 +56,7 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         cmd = [
-            compiler, str(SOURCE), "-o", str(out), "-shared", "-fPIC", "-std=c++17", "-O3",
+            compiler, *map(str, SOURCES), "-o", str(out), "-shared", "-fPIC", "-std=c++17", "-O3",
             "-march=native", "-fopenmp", "-ffast-math", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *[f"-I{p}" for p in include_paths()],
             # libgomp is PyTorch's own copy (same soname), so the kernel shares its thread pool.
@@ -73,7 +74,7 @@ def load() -> bool:
     if _loaded is not None:
         return _loaded
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode()
+        b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / key / "gemel_cpu_kernels.so"
     try:
@@ -90,9 +91,13 @@ def load() -> bool:
 
 
 def _register_fake() -> None:
-    """Shape-only version for ``torch.compile`` tracing: a new contiguous tensor of q's shape,
-    as the kernel returns (``empty_like`` would copy the strides of a strided q)."""
+    """Shape-only versions for ``torch.compile`` tracing: new contiguous tensors, as the
+    kernels return (``empty_like`` would copy the strides of a strided input)."""
 
     @torch.library.register_fake("gemel::paged_decode_attention")
     def _(q, k_cache, v_cache, kv_slots, context_lens, scale, window):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("gemel::int8_group_mm")
+    def _(x, q, scales):
+        return x.new_empty(x.shape[0], q.shape[0])

@@ -3,7 +3,9 @@
 At one or a few rows a decode step is bound by reading weights, so PyTorch's packed
 low-bit CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) win; at many
 rows the bf16/fp32 GEMM wins. A quantised ``Linear`` keeps both and picks per call by the
-number of rows (``packed_max_rows``).
+number of rows (``packed_max_rows``). Weights the checkpoint stores as int8 groups (GGUF
+Q8_0, typically the embedding that doubles as the LM head) use gemel's own C++ kernel on
+those groups instead (``torch.ops.gemel.int8_group_mm``).
 
 On a CPU with oneDNN, bf16 weights are also reordered once into oneDNN's blocked layout
 (``prepack_``): the same kernel family as ``F.linear`` with bitwise-equal results, but
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemel.models.weights import Int4Groups, WeightSource
+from gemel.layers import cpu_kernels
+from gemel.models.weights import Int4Groups, Int8Groups, WeightSource
 
 
 class Linear(nn.Module):
@@ -34,6 +37,8 @@ class Linear(nn.Module):
         self.onednn_weight: torch.Tensor | None = None  # blocked copy from prepack_()
         # Reads the checkpoint's own 4-bit groups of this weight, when it stores them (GGUF Q4_0/Q4_1).
         self.checkpoint_int4: Callable[[], Int4Groups | None] | None = None
+        # Likewise for int8 groups (GGUF Q8_0).
+        self.checkpoint_int8: Callable[[], Int8Groups | None] | None = None
 
     @classmethod
     def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
@@ -41,6 +46,16 @@ class Linear(nn.Module):
         lin = cls.fused([w.get(n) for n in names], [w.get(b) for b in bias_names] if bias_names else None)
         if all(n in w.int4_factories for n in names):
             lin.checkpoint_int4 = functools.partial(w.int4_groups, names)
+        if all(n in w.int8_factories for n in names):
+            lin.checkpoint_int8 = functools.partial(w.int8_groups, names)
+        return lin
+
+    @classmethod
+    def tied(cls, embedding: torch.Tensor, w: WeightSource, name: str) -> "Linear":
+        """The LM head that shares the input embedding's weight (``name`` in the checkpoint)."""
+        lin = cls(embedding)
+        if name in w.int8_factories:
+            lin.checkpoint_int8 = functools.partial(w.int8_groups, [name])
         return lin
 
     @classmethod
@@ -67,8 +82,8 @@ class Linear(nn.Module):
     def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 32) -> None:
         """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows.
 
-        ``checkpoint``: only where the checkpoint stores 4-bit groups, used as they are (the
-        file's exact weights); ``int4``: those, else groups re-quantised from the dense weight
+        ``checkpoint``: only where the checkpoint stores 4-bit or int8 groups, used as they
+        are (the file's exact weights); ``int4``: those, else groups re-quantised from the dense weight
         (lossy); ``int8``: per-channel int8 re-quantised from the dense weight (lossy).
         """
         if self.weight is None:
@@ -76,7 +91,15 @@ class Linear(nn.Module):
         if mode not in ("checkpoint", "int4", "int8"):
             raise ValueError(f"unknown weight quantisation {mode!r} (use checkpoint, int8 or int4)")
         if self.weight.device.type != "cpu":  # these packed kernels are CPU kernels; stay dense elsewhere
+            self.checkpoint_int4 = self.checkpoint_int8 = None
+            return
+        int8_groups = self.checkpoint_int8() if self.checkpoint_int8 is not None and mode == "checkpoint" else None
+        self.checkpoint_int8 = None
+        if int8_groups is not None and cpu_kernels.load():
+            self.w_q8, self.w_q8_scales = int8_groups.q.contiguous(), int8_groups.scale.contiguous()
             self.checkpoint_int4 = None
+            self.quant = "int8_groups"
+            self.packed_max_rows = min(packed_max_rows, 8)  # the kernel takes up to 8 rows
             return
         groups = self.checkpoint_int4() if self.checkpoint_int4 is not None and group_size == 32 else None
         self.checkpoint_int4 = None  # read once; drops the reference to the checkpoint
@@ -108,7 +131,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.shape[0] <= self.packed_max_rows:
-            if self.quant == "int8":
+            if self.quant == "int8_groups":
+                y = torch.ops.gemel.int8_group_mm(x, self.w_q8, self.w_q8_scales)
+            elif self.quant == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x, self.w_int8, self.w_scales)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
@@ -125,7 +150,7 @@ def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int) -> int:
     for module in model.modules():
         if isinstance(module, Linear):
             if mode == "none":
-                module.checkpoint_int4 = None
+                module.checkpoint_int4 = module.checkpoint_int8 = None
                 continue
             module.quantize_(mode, packed_max_rows)
             count += module.quant is not None

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gemel.models.config import ModelArchConfig
-from gemel.models.weights import Int4Groups
+from gemel.models.weights import Int4Groups, Int8Groups
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -245,4 +245,30 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
         hf_name(t.name, cfg.architecture): make(t)
         for t in reader.tensors
         if t.tensor_type in q4_types and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
+    }
+
+
+def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
+    """HF name -> function producing the tensor's own int8 groups, for Q8_0 tensors (blocks
+    of 32 along the input dimension: one float16 scale d, 32 int8 q, w = d q)."""
+    from gguf import GGMLQuantizationType
+
+    def make(t):
+        def load() -> Int8Groups:
+            out_features, in_features = (int(x) for x in reversed(t.shape.tolist()))
+            blocks = np.asarray(t.data).reshape(out_features, in_features // 32, 34)
+            scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            q = blocks[..., 2:].copy().view(np.int8).reshape(out_features, in_features)
+            groups = Int8Groups(torch.from_numpy(q), torch.from_numpy(scale))
+            heads = _rope_permuted_heads(cfg, t.name)
+            if heads is not None:
+                groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), heads).copy()))
+            return groups
+
+        return load
+
+    return {
+        hf_name(t.name, cfg.architecture): make(t)
+        for t in reader.tensors
+        if t.tensor_type == GGMLQuantizationType.Q8_0 and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
     }

@@ -33,13 +33,14 @@ def model_class(architecture: str):
     raise ValueError(f"architecture {architecture!r} is not supported")
 
 
-def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict, dict]:
-    """Architecture, tokenizer, dense tensor factories and (GGUF only) 4-bit group factories."""
+def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict, dict, dict]:
+    """Architecture, tokenizer, dense tensor factories and (GGUF only) the factories of the
+    tensors stored as 4-bit and as int8 groups."""
     if os.path.isdir(path):
         from gemel.loader import safetensors_loader
 
         arch = safetensors_loader.arch_config(path)
-        return arch, Tokenizer.from_pretrained_dir(path), safetensors_loader.tensor_factories(path, arch), {}
+        return arch, Tokenizer.from_pretrained_dir(path), safetensors_loader.tensor_factories(path, arch), {}, {}
     from gemel.loader import gguf_loader
 
     reader = gguf_loader.open_gguf(path)
@@ -49,13 +50,15 @@ def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict
         Tokenizer.from_gguf(reader, path),
         gguf_loader.tensor_factories(reader, arch),
         gguf_loader.int4_group_factories(reader, arch),
+        gguf_loader.int8_group_factories(reader, arch),
     )
 
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
     path = sources.resolve(source)
-    arch, tokenizer, factories, int4_factories = load_arch_and_tokenizer(path)
-    weights = WeightSource(factories, dtype, device, origin=path, int4_factories=int4_factories)
+    arch, tokenizer, factories, int4_factories, int8_factories = load_arch_and_tokenizer(path)
+    weights = WeightSource(factories, dtype, device, origin=path, int4_factories=int4_factories,
+                           int8_factories=int8_factories)
     max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     with torch.inference_mode():
         model = model_class(arch.architecture)(arch, weights, device, max_positions).eval()

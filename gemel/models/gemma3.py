@@ -68,7 +68,7 @@ class Gemma3ForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings and "lm_head.weight" in w:
             self.lm_head = Linear.load(w, ["lm_head.weight"])
         else:
-            self.lm_head = Linear(self.embed_tokens)
+            self.lm_head = Linear.tied(self.embed_tokens, w, "model.embed_tokens.weight")
         scaling = cfg.rope_scaling or {}
         factor = scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0
         self.global_rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, device, linear_factor=factor)

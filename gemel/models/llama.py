@@ -52,7 +52,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings and "lm_head.weight" in w:
             self.lm_head = Linear.load(w, ["lm_head.weight"])
         else:
-            self.lm_head = Linear(self.embed_tokens)
+            self.lm_head = Linear.tied(self.embed_tokens, w, "model.embed_tokens.weight")
         scaling = cfg.rope_scaling or {}
         self.rotary = RotaryEmbedding(
             cfg.head_dim,

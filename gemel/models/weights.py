@@ -32,7 +32,30 @@ class Int4Groups:
         return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
 
 
+@dataclass
+class Int8Groups:
+    """A weight stored as int8 groups of 32 along the input dimension (GGUF Q8_0):
+    ``w = q * scale`` per group."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out, in / 32] float32
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int8Groups":
+        return Int8Groups(fn(self.q), fn(self.scale))
+
+    def dequantize(self) -> torch.Tensor:
+        out_features, in_features = self.q.shape
+        return (self.q.float().view(out_features, in_features // 32, 32) * self.scale[..., None]).view(
+            out_features, in_features
+        )
+
+    @staticmethod
+    def cat(parts: list["Int8Groups"]) -> "Int8Groups":
+        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
 Int4Factory = Callable[[], Int4Groups]
+Int8Factory = Callable[[], Int8Groups]
 
 
 class WeightSource:
@@ -47,9 +70,11 @@ class WeightSource:
         device: torch.device,
         origin: str,
         int4_factories: dict[str, Int4Factory] | None = None,
+        int8_factories: dict[str, Int8Factory] | None = None,
     ):
         self.factories = factories
         self.int4_factories = int4_factories or {}
+        self.int8_factories = int8_factories or {}
         self.dtype = dtype
         self.device = device
         self.origin = origin
@@ -80,3 +105,13 @@ class WeightSource:
             return Int4Groups.cat([self.int4_factories[n]() for n in names])
         except Exception as exc:
             raise ValueError(f"{self.origin}: cannot read the 4-bit groups of {names}: {exc}") from exc
+
+    def int8_groups(self, names: list[str]) -> Int8Groups | None:
+        """The checkpoint's own int8 groups of these tensors (stacked along the output
+        dimension), or None unless every one of them is stored that way."""
+        if not names or any(n not in self.int8_factories for n in names):
+            return None
+        try:
+            return Int8Groups.cat([self.int8_factories[n]() for n in names])
+        except Exception as exc:
+            raise ValueError(f"{self.origin}: cannot read the int8 groups of {names}: {exc}") from exc

@@ -1,4 +1,4 @@
-"""weight_quant=checkpoint on the real SmolLM2 GGUF (Q4_1 projections, Q8_0 embedding)."""
+"""weight_quant=checkpoint on the real SmolLM2 GGUF (Q4_1 projections, Q8_0 embedding and LM head)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ def test_checkpoint_groups_serve_small_batches_with_the_files_weights():
     model = quant.engine.core.loaded.model
     layer_projections = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
     assert len(layer_projections) == 4 * 30 and all(m.quant == "int4" for m in layer_projections)
-    assert model.lm_head.quant is None  # the Q8_0 embedding has no 4-bit groups: stays dense
-    assert all(m.checkpoint_int4 is None for m in model.modules() if isinstance(m, Linear))  # file let go
+    # The Q8_0 embedding doubles as the LM head: its own int8 groups serve small batches.
+    assert model.lm_head.quant == "int8_groups" and model.lm_head.w_q8.shape == model.embed_tokens.shape
+    assert all(m.checkpoint_int4 is None and m.checkpoint_int8 is None
+               for m in model.modules() if isinstance(m, Linear))  # file let go
 
     dense = LLM("smollm2-135m-instruct", dtype="bfloat16")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

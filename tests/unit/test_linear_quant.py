@@ -117,3 +117,29 @@ def test_checkpoint_groups_are_used_exactly():
     plain = Linear(torch.randn(8, 64).bfloat16())
     plain.quantize_("checkpoint", packed_max_rows=4)  # nothing stored as 4-bit: stays dense
     assert plain.quant is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_checkpoint_int8_groups_are_used_exactly(rows):
+    """Q8_0 groups (the usual GGUF LM head) go to gemel's C++ kernel as they are: the product
+    equals x @ W^T with W the stored weights; above packed_max_rows the dense weight serves."""
+    from gemel.layers import cpu_kernels
+    from gemel.models.weights import Int8Groups
+
+    assert cpu_kernels.load()
+    torch.manual_seed(0)
+    out_f, in_f = 300, 96  # out_f not a multiple of the kernel's row chunk
+    groups = Int8Groups(torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8), torch.rand(out_f, in_f // 32) * 0.01)
+    exact = groups.dequantize()
+    lin = Linear(exact.bfloat16())
+    lin.checkpoint_int8 = lambda: groups
+    lin.quantize_("checkpoint", packed_max_rows=rows)
+    assert lin.quant == "int8_groups" and lin.checkpoint_int8 is None
+    x = torch.randn(rows, in_f)
+    torch.testing.assert_close(lin(x), x @ exact.T, atol=1e-4, rtol=1e-4)  # float32 in, float32 out
+    wide = torch.randn(rows + 1, in_f).bfloat16()
+    torch.testing.assert_close(lin(wide), torch.nn.functional.linear(wide, exact.bfloat16()))  # dense path
+    other = Linear(exact.bfloat16())
+    other.checkpoint_int8 = lambda: groups
+    other.quantize_("int8", packed_max_rows=4)
+    assert other.quant == "int8"  # the lossy int8 mode re-quantises per channel, as it promises

@@ -97,8 +97,20 @@ def test_q4_groups_reproduce_the_files_weights(smollm2_path):
         assert torch.equal(g.dequantize(), dense[name]().float())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_q4_group_layouts_match_gguf_dequantisation(tmp_path, qtype):
+def test_q8_groups_reproduce_the_files_embedding(smollm2_path):
+    """SmolLM2 stores its embedding (also the LM head) as Q8_0; the int8 groups read for the
+    C++ kernel dequantise to exactly the file's weights."""
+    reader = gguf_loader.open_gguf(smollm2_path)
+    cfg = gguf_loader.arch_config(reader, smollm2_path)
+    groups = gguf_loader.int8_group_factories(reader, cfg)
+    assert list(groups) == ["model.embed_tokens.weight"]
+    g = groups["model.embed_tokens.weight"]()
+    assert g.q.dtype == torch.int8 and g.q.shape == (cfg.vocab_size, cfg.hidden_size)
+    assert torch.equal(g.dequantize(), gguf_loader.tensor_factories(reader, cfg)["model.embed_tokens.weight"]().float())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_group_layouts_match_gguf_dequantisation(tmp_path, qtype):
     import gguf
     import numpy as np
 
@@ -117,6 +129,7 @@ def test_q4_group_layouts_match_gguf_dequantisation(tmp_path, qtype):
     cfg = ModelArchConfig(architecture="llama", vocab_size=8, hidden_size=96, intermediate_size=48, num_layers=1,
                           num_heads=1, num_kv_heads=1, head_dim=96, rms_norm_eps=1e-6, rope_theta=1e4,
                           max_position_embeddings=64)
-    g = gguf_loader.int4_group_factories(reader, cfg)["model.layers.0.mlp.down_proj.weight"]()
+    factories = gguf_loader.int8_group_factories if qtype == "Q8_0" else gguf_loader.int4_group_factories
+    g = factories(reader, cfg)["model.layers.0.mlp.down_proj.weight"]()
     expected = gguf.quants.dequantize(reader.tensors[0].data, kind).reshape(48, 96)
     torch.testing.assert_close(g.dequantize(), torch.from_numpy(expected), atol=1e-6, rtol=1e-6)

@@ -194,7 +194,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY(gemel, m) {
+TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_slots, "
         "Tensor context_lens, float scale, int window) -> Tensor");
 }
