@@ -102,3 +102,25 @@ def test_engine_with_decode_kernel_matches_torch_path(tiny_model_dir):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert abs(la.logprob - lb.logprob) < 1e-4
+
+
+def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path, tiny_llama_dir):
+    """No C++ compiler (and nothing cached): the kernels report unavailable, the engine says
+    so and serves through the PyTorch path. Run in a fresh process, as a loaded library
+    cannot be unloaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "from gemel.layers import cpu_kernels\n"
+        "from gemel import LLM, SamplingParams\n"
+        "assert cpu_kernels.load() is False\n"
+        f"llm = LLM({tiny_llama_dir!r}, dtype='float32', num_kv_blocks=32)\n"
+        "assert llm.engine.core.runner.decode_kernel is False\n"
+        "out = llm.generate(prompt_token_ids=[[5, 17, 33]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "assert len(out[0].outputs[0].token_ids) == 4\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "GEMEL_KERNEL_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "C++ CPU kernels unavailable" in result.stderr
