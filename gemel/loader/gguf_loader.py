@@ -208,6 +208,36 @@ def tensor_factories(reader, cfg: ModelArchConfig) -> dict:
     return {hf_name(t.name, cfg.architecture): make(t) for t in reader.tensors}
 
 
+def _stored_group_factories(reader, cfg: ModelArchConfig, block_bytes: dict, decode) -> dict:
+    """HF name -> function reading a tensor's blocks of 32 weights (GGML types in
+    ``block_bytes``, with their sizes) and turning them into groups with ``decode(type,
+    blocks)``, blocks shaped [out, in / 32, bytes]; q/k rows are un-permuted as for the
+    dense weights."""
+
+    def make(t):
+        def load():
+            out_features, in_features = (int(x) for x in reversed(t.shape.tolist()))
+            blocks = np.asarray(t.data).reshape(out_features, in_features // 32, block_bytes[t.tensor_type])
+            groups = decode(t.tensor_type, blocks)
+            heads = _rope_permuted_heads(cfg, t.name)
+            if heads is not None:
+                groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), heads).copy()))
+            return groups
+
+        return load
+
+    return {
+        hf_name(t.name, cfg.architecture): make(t)
+        for t in reader.tensors
+        if t.tensor_type in block_bytes and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
+    }
+
+
+def _block_scales(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 field at byte ``offset`` of every block, as float32 [out, in / 32]."""
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
     """HF name -> function producing the tensor's own 4-bit groups, for Q4_0 and Q4_1
     tensors (blocks of 32 along the input dimension with one scale, and a minimum for Q4_1).
@@ -217,35 +247,19 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
     """
     from gguf import GGMLQuantizationType
 
-    q4_types = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+    def decode(kind, blocks: np.ndarray) -> Int4Groups:
+        scale = _block_scales(blocks, 0)
+        if kind == GGMLQuantizationType.Q4_1:  # w = d * q + m  ==  (q - 8) * d + (m + 8 d)
+            zero = _block_scales(blocks, 2) + 8.0 * scale
+        else:  # w = (q - 8) * d
+            zero = np.zeros_like(scale)
+        packed = blocks[..., -16:]  # element j in the low nibble of byte j, j + 16 in the high
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(blocks.shape[0], -1)
+        return Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
 
-    def make(t):
-        def load() -> Int4Groups:
-            out_features, in_features = (int(x) for x in reversed(t.shape.tolist()))
-            has_min = t.tensor_type == GGMLQuantizationType.Q4_1
-            block_bytes = 20 if has_min else 18
-            blocks = np.asarray(t.data).reshape(out_features, in_features // 32, block_bytes)
-            scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            if has_min:  # w = d * q + m  ==  (q - 8) * d + (m + 8 d)
-                minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-                zero = minimum + 8.0 * scale
-            else:  # w = (q - 8) * d
-                zero = np.zeros_like(scale)
-            packed = blocks[..., block_bytes - 16 :]  # element j in the low nibble of byte j, j + 16 in the high
-            q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, in_features)
-            groups = Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
-            heads = _rope_permuted_heads(cfg, t.name)
-            if heads is not None:
-                groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), heads).copy()))
-            return groups
-
-        return load
-
-    return {
-        hf_name(t.name, cfg.architecture): make(t)
-        for t in reader.tensors
-        if t.tensor_type in q4_types and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
-    }
+    return _stored_group_factories(
+        reader, cfg, {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}, decode
+    )
 
 
 def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
@@ -253,22 +267,8 @@ def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
     of 32 along the input dimension: one float16 scale d, 32 int8 q, w = d q)."""
     from gguf import GGMLQuantizationType
 
-    def make(t):
-        def load() -> Int8Groups:
-            out_features, in_features = (int(x) for x in reversed(t.shape.tolist()))
-            blocks = np.asarray(t.data).reshape(out_features, in_features // 32, 34)
-            scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            q = blocks[..., 2:].copy().view(np.int8).reshape(out_features, in_features)
-            groups = Int8Groups(torch.from_numpy(q), torch.from_numpy(scale))
-            heads = _rope_permuted_heads(cfg, t.name)
-            if heads is not None:
-                groups = groups.map_rows(lambda a: torch.from_numpy(_unpermute_rope(a.numpy(), heads).copy()))
-            return groups
+    def decode(kind, blocks: np.ndarray) -> Int8Groups:
+        q = blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1)
+        return Int8Groups(torch.from_numpy(q), torch.from_numpy(_block_scales(blocks, 0)))
 
-        return load
-
-    return {
-        hf_name(t.name, cfg.architecture): make(t)
-        for t in reader.tensors
-        if t.tensor_type == GGMLQuantizationType.Q8_0 and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
-    }
+    return _stored_group_factories(reader, cfg, {GGMLQuantizationType.Q8_0: 34}, decode)
