@@ -271,7 +271,6 @@ class ModelRunner:
         for batch in sorted({1, min(2, max_batch_size)}):
             self._warm_up_decode(batch, context=2 * self.block_size + 5)
 
-
     @torch.inference_mode()
     def _warm_up_decode(self, batch: int, context: int) -> None:
         """One throw-away decode step over the first slots of the cache (no sequence owns

@@ -83,8 +83,9 @@ class Linear(nn.Module):
         """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows.
 
         ``checkpoint``: only where the checkpoint stores 4-bit or int8 groups, used as they
-        are (the file's exact weights); ``int4``: those, else groups re-quantised from the dense weight
-        (lossy); ``int8``: per-channel int8 re-quantised from the dense weight (lossy).
+        are (the file's exact weights); ``int4``: the 4-bit groups, else groups re-quantised
+        from the dense weight (lossy); ``int8``: per-channel int8 re-quantised from the dense
+        weight (lossy).
         """
         if self.weight is None:
             raise RuntimeError("quantize_ needs the dense weight: call it before prepack_")
