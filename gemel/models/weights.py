@@ -99,19 +99,16 @@ class WeightSource:
     def int4_groups(self, names: list[str]) -> Int4Groups | None:
         """The checkpoint's own 4-bit groups of these tensors (stacked along the output
         dimension), or None unless every one of them is stored that way."""
-        if not names or any(n not in self.int4_factories for n in names):
-            return None
-        try:
-            return Int4Groups.cat([self.int4_factories[n]() for n in names])
-        except Exception as exc:
-            raise ValueError(f"{self.origin}: cannot read the 4-bit groups of {names}: {exc}") from exc
+        return self._stored_groups(self.int4_factories, Int4Groups.cat, names, "4-bit")
 
     def int8_groups(self, names: list[str]) -> Int8Groups | None:
-        """The checkpoint's own int8 groups of these tensors (stacked along the output
-        dimension), or None unless every one of them is stored that way."""
-        if not names or any(n not in self.int8_factories for n in names):
+        """Likewise for int8 groups (GGUF Q8_0)."""
+        return self._stored_groups(self.int8_factories, Int8Groups.cat, names, "int8")
+
+    def _stored_groups(self, factories: dict, cat: Callable, names: list[str], kind: str):
+        if not names or any(n not in factories for n in names):
             return None
         try:
-            return Int8Groups.cat([self.int8_factories[n]() for n in names])
+            return cat([factories[n]() for n in names])
         except Exception as exc:
-            raise ValueError(f"{self.origin}: cannot read the int8 groups of {names}: {exc}") from exc
+            raise ValueError(f"{self.origin}: cannot read the {kind} groups of {names}: {exc}") from exc
