@@ -1,8 +1,9 @@
 """C++ CPU kernels, built on first use with the machine's C++ compiler and cached on disk.
 
-Two kernels so far, both under ``torch.ops.gemel``: decode attention that reads the paged
-KV cache in place (``csrc/paged_attention.cpp``) and small-batch projections on a weight's
-own int8 groups (``csrc/int8_group_mm.cpp``, GGUF Q8_0). They are compiled into one library
+Three kernels so far, all under ``torch.ops.gemel``: decode attention that reads the paged
+KV cache in place (``csrc/paged_attention.cpp``), and small-batch projections on a weight's
+own int8 groups (``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer
+dot products (``csrc/int4_group_mm.cpp``, AVX512-VNNI). They are compiled into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and CPU, and cached under
 ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`
@@ -37,6 +38,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has the AVX512-VNNI dot products that make int4_group_mm fast (it
+    has a plain C++ loop elsewhere, correct but slower than PyTorch's int4 kernel)."""
+    flags = _cpu_flags().split()
+    return "avx512_vnni" in flags and "avx512bw" in flags
 
 
 def _cache_dir() -> Path:
@@ -101,3 +109,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("gemel::int8_group_mm")
     def _(x, q, scales):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("gemel::int4_group_mm")
+    def _(x, packed, scales, lows, out_features):
+        return x.new_empty(x.shape[0], out_features)

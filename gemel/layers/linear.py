@@ -5,7 +5,10 @@ low-bit CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) w
 rows the bf16/fp32 GEMM wins. A quantised ``Linear`` keeps both and picks per call by the
 number of rows (``packed_max_rows``). Weights the checkpoint stores as int8 groups (GGUF
 Q8_0, typically the embedding that doubles as the LM head) use gemel's own C++ kernel on
-those groups instead (``torch.ops.gemel.int8_group_mm``).
+those groups instead (``torch.ops.gemel.int8_group_mm``). On CPUs with AVX512-VNNI, 4-bit
+groups go through gemel's integer-dot-product kernel (``torch.ops.gemel.int4_group_mm``,
+x carried as two int8 codes per value, finer than bf16): 2-3x faster than PyTorch's int4
+kernel at one row.
 
 On a CPU with oneDNN, bf16 weights are also reordered once into oneDNN's blocked layout
 (``prepack_``): the same kernel family as ``F.linear`` with bitwise-equal results, but
@@ -97,7 +100,7 @@ class Linear(nn.Module):
         int8_groups = self.checkpoint_int8() if self.checkpoint_int8 is not None and mode == "checkpoint" else None
         self.checkpoint_int8 = None
         if int8_groups is not None and cpu_kernels.load():
-            self.w_q8, self.w_q8_scales = int8_groups.q.contiguous(), int8_groups.scale.contiguous()
+            self._keep(w_q8=int8_groups.q.contiguous(), w_q8_scales=int8_groups.scale.contiguous())
             self.checkpoint_int4 = None
             self.quant = "int8_groups"
             self.packed_max_rows = min(packed_max_rows, 8)  # the kernel takes up to 8 rows
@@ -109,8 +112,8 @@ class Linear(nn.Module):
         w = self.weight.detach().float()
         if mode == "int8":
             scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-            self.w_int8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            self.w_scales = scales.to(self.weight.dtype)
+            self._keep(w_int8=torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8),
+                       w_scales=scales.to(self.weight.dtype))
         else:
             out_features, in_features = w.shape
             if groups is None:
@@ -121,18 +124,37 @@ class Linear(nn.Module):
                 scales = ((hi - lo) / 15.0).clamp(min=1e-8)
                 q = torch.round((grouped - lo[..., None]) / scales[..., None]).clamp(0, 15)
                 groups = Int4Groups(q.view(out_features, in_features), scales, lo + scales * 8.0)
-            self.w_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
-            self.w_scales_zeros = (
-                torch.stack([groups.scale, groups.zero], dim=-1).transpose(0, 1).contiguous().to(self.weight.dtype)
+            if group_size == 32 and cpu_kernels.has_vnni() and cpu_kernels.load():
+                packed, scales, lows = pack_int4_rows(groups)
+                self._keep(w_q4=packed, w_q4_scales=scales, w_q4_lows=lows)
+                self.w_q4_rows = out_features
+                self.quant = "int4_groups"
+                self.packed_max_rows = min(packed_max_rows, 8)  # the kernel takes up to 8 rows
+                return
+            self._keep(
+                w_int4=torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1),
+                w_scales_zeros=torch.stack([groups.scale, groups.zero], dim=-1)
+                .transpose(0, 1)
+                .contiguous()
+                .to(self.weight.dtype),
             )
             self.group_size = group_size
             mode = "int4"
         self.quant = mode
         self.packed_max_rows = packed_max_rows
 
+    def _keep(self, **tensors: torch.Tensor) -> None:
+        """Hold low-bit copies as (unsaved) buffers: torch.compile then treats their shapes
+        as fixed, where plain tensor attributes would get symbolic shapes under
+        ``dynamic=True`` and a Python shape check of every one on every call (~1 ms a step)."""
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor, persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.shape[0] <= self.packed_max_rows:
-            if self.quant == "int8_groups":
+            if self.quant == "int4_groups":
+                y = torch.ops.gemel.int4_group_mm(x, self.w_q4, self.w_q4_scales, self.w_q4_lows, self.w_q4_rows)
+            elif self.quant == "int8_groups":
                 y = torch.ops.gemel.int8_group_mm(x, self.w_q8, self.w_q8_scales)
             elif self.quant == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x, self.w_int8, self.w_scales)
@@ -142,6 +164,31 @@ class Linear(nn.Module):
         if self.onednn_weight is not None and not (self.weight is not None and torch.compiler.is_compiling()):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_int4_rows(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit groups in the layout of ``torch.ops.gemel.int4_group_mm`` (see its source):
+    rows in blocks of 16, per block and group 4 vectors of 64 bytes whose 32-bit lanes are
+    the 16 rows; scales and lows (``w = scale * q + low``) as [blocks, groups, 16]."""
+    out_features, in_features = groups.q.shape
+    num_groups, blocks = in_features // 32, -(-out_features // 16)
+    pad = blocks * 16 - out_features
+    q = F.pad(groups.q.to(torch.uint8), (0, 0, 0, pad)).view(blocks, 16, num_groups, 4, 2, 4)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, num_groups, 256)
+
+    low = groups.zero.float() - 8.0 * groups.scale.float()
+    # float16 halves the scale bytes the kernel streams, where it holds them to float32 precision
+    # (GGUF Q4_0/Q4_1 store float16; ``low`` comes back through float32 arithmetic, hence a tolerance).
+    dtype = torch.float16 if all(_fits_float16(t) for t in (groups.scale.float(), low)) else torch.float32
+
+    def by_block(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype).contiguous()
+
+    return packed.contiguous(), by_block(groups.scale), by_block(low)
+
+
+def _fits_float16(t: torch.Tensor) -> bool:
+    return bool(torch.allclose(t.half().float(), t, rtol=2**-20, atol=0.0))
 
 
 def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int) -> int:

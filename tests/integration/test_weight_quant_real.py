@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gemel import LLM, SamplingParams
+from gemel.layers import cpu_kernels
 from gemel.layers.linear import Linear
 
 pytestmark = pytest.mark.slow
@@ -14,7 +15,9 @@ def test_checkpoint_groups_serve_small_batches_with_the_files_weights():
     quant = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="checkpoint", packed_max_rows=4)
     model = quant.engine.core.loaded.model
     layer_projections = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    assert len(layer_projections) == 4 * 30 and all(m.quant == "int4" for m in layer_projections)
+    # Q4_1 groups: gemel's integer-dot-product kernel on AVX512-VNNI, PyTorch's int4 kernel elsewhere.
+    int4_kind = "int4_groups" if cpu_kernels.has_vnni() else "int4"
+    assert len(layer_projections) == 4 * 30 and all(m.quant == int4_kind for m in layer_projections)
     # The Q8_0 embedding doubles as the LM head: its own int8 groups serve small batches.
     assert model.lm_head.quant == "int8_groups" and model.lm_head.w_q8.shape == model.embed_tokens.shape
     assert all(m.checkpoint_int4 is None and m.checkpoint_int8 is None

@@ -97,11 +97,14 @@ def test_bf16_engine_prepacked_matches_unpacked(tiny_llama_dir):
         assert x.outputs[0].logprobs == y.outputs[0].logprobs
 
 
-def test_checkpoint_groups_are_used_exactly():
-    """weight_quant=checkpoint feeds the stored groups to the int4 kernel: the product equals
-    x @ W^T with W the stored weights (bf16 output rounding only), and it never re-quantises."""
+def test_checkpoint_groups_are_used_exactly(monkeypatch):
+    """weight_quant=checkpoint feeds the stored groups to PyTorch's int4 kernel (on CPUs without
+    AVX512-VNNI): the product equals x @ W^T with W the stored weights (bf16 output rounding
+    only), and it never re-quantises."""
+    from gemel.layers import cpu_kernels
     from gemel.models.weights import Int4Groups
 
+    monkeypatch.setattr(cpu_kernels, "has_vnni", lambda: False)
     torch.manual_seed(0)
     out_f, in_f = 64, 96
     groups = Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8),
@@ -143,3 +146,77 @@ def test_checkpoint_int8_groups_are_used_exactly(rows):
     other.checkpoint_int8 = lambda: groups
     other.quantize_("int8", packed_max_rows=4)
     assert other.quant == "int8"  # the lossy int8 mode re-quantises per channel, as it promises
+
+
+def _quantised_activation_product(x: torch.Tensor, groups) -> torch.Tensor:
+    """What int4_group_mm computes, written out: per group of 32, x as a coarse int8 code
+    (unit max|x|/127) plus a fine one for the rest (unit 1/254 of that), integer dot
+    products with the 4-bit codes, then w = scale * q + low."""
+    rows, in_f = x.shape
+    xg = x.float().view(rows, in_f // 32, 32)
+    dx = xg.abs().amax(-1) / 127
+    unit = torch.where(dx > 0, dx, 1)[..., None]
+    coarse = torch.round(xg / unit)
+    fine = torch.round((xg - coarse * unit) / unit * 254)
+    q = groups.q.float().view(-1, in_f // 32, 32)
+    dots = torch.einsum("mgk,ngk->mng", coarse * 254 + fine, q) / 254  # integers well inside float32's range
+    low = groups.zero - 8 * groups.scale
+    return (dots * groups.scale[None] * dx[:, None]).sum(-1) + xg.sum(-1) @ low.T
+
+
+needs_vnni = pytest.mark.skipif(
+    not (__import__("gemel.layers.cpu_kernels").layers.cpu_kernels.has_vnni()), reason="no AVX512-VNNI on this CPU"
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int4_groups_with_integer_dot_products(rows, dtype, scale_dtype):
+    """4-bit groups run through gemel's VNNI kernel: it equals the same arithmetic written
+    out in PyTorch and x @ W^T to within bf16-level rounding, and leaves larger batches dense."""
+    from gemel.layers import cpu_kernels
+    from gemel.models.weights import Int4Groups
+
+    assert cpu_kernels.load()
+    torch.manual_seed(rows)
+    out_f, in_f = 40, 96  # out_f not a multiple of the kernel's 16-row blocks; 3 groups
+    # float16 scales and lows (as in Q4_1) are streamed as float16; any others as float32
+    scale = (torch.rand(out_f, in_f // 32) * 0.1 + 0.01).to(scale_dtype).float()
+    low = (torch.randn(out_f, in_f // 32) * 0.1).to(scale_dtype).float()
+    groups = Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8), scale, low + 8 * scale)
+    exact = groups.dequantize()
+    lin = Linear(exact.to(dtype))
+    lin.checkpoint_int4 = lambda: groups
+    lin.quantize_("checkpoint", packed_max_rows=8)
+    assert lin.quant == "int4_groups" and lin.packed_max_rows == 8 and lin.w_q4_scales.dtype == scale_dtype
+    x = torch.randn(rows, in_f).to(dtype)
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (rows, out_f)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.02, rtol=1e-2)
+    torch.testing.assert_close(y.float(), _quantised_activation_product(x, groups), **tol)
+    reference = x.float() @ exact.T
+    if dtype == torch.float32:  # x's two int8 codes lose less than rounding x to bf16 would
+        assert (y - reference).norm() < (x.bfloat16().float() @ exact.T - reference).norm()
+    else:
+        torch.testing.assert_close(y.float(), reference, **tol)
+    wide = torch.randn(9, in_f).to(dtype)
+    torch.testing.assert_close(lin(wide), torch.nn.functional.linear(wide, exact.to(dtype)))  # dense path
+
+
+@needs_vnni
+def test_int4_groups_re_quantised_and_zero_rows():
+    """weight_quant=int4 (groups made from the dense weight) takes the same kernel; a row of
+    zeros gives zeros, not NaN (its int8 scale is 0)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    lin = Linear(w.clone())
+    lin.quantize_("int4", packed_max_rows=4)
+    assert lin.quant == "int4_groups"
+    x = torch.randn(2, 128)
+    x[1] = 0
+    y = lin(x)
+    assert torch.all(y[1] == 0)
+    ref = x[:1] @ w.T
+    assert ((y[:1] - ref).norm() / ref.norm()).item() < 0.1  # 4-bit weights
