@@ -111,5 +111,5 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake("gemel::int4_group_mm")
-    def _(x, packed, scales, lows, out_features):
+    def _(x, packed, out_features):
         return x.new_empty(x.shape[0], out_features)

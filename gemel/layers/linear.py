@@ -125,8 +125,7 @@ class Linear(nn.Module):
                 q = torch.round((grouped - lo[..., None]) / scales[..., None]).clamp(0, 15)
                 groups = Int4Groups(q.view(out_features, in_features), scales, lo + scales * 8.0)
             if group_size == 32 and cpu_kernels.has_vnni() and cpu_kernels.load():
-                packed, scales, lows = pack_int4_rows(groups)
-                self._keep(w_q4=packed, w_q4_scales=scales, w_q4_lows=lows)
+                self._keep(w_q4=pack_int4_rows(groups))
                 self.w_q4_rows = out_features
                 self.quant = "int4_groups"
                 self.packed_max_rows = min(packed_max_rows, 8)  # the kernel takes up to 8 rows
@@ -153,7 +152,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.shape[0] <= self.packed_max_rows:
             if self.quant == "int4_groups":
-                y = torch.ops.gemel.int4_group_mm(x, self.w_q4, self.w_q4_scales, self.w_q4_lows, self.w_q4_rows)
+                y = torch.ops.gemel.int4_group_mm(x, self.w_q4, self.w_q4_rows)
             elif self.quant == "int8_groups":
                 y = torch.ops.gemel.int8_group_mm(x, self.w_q8, self.w_q8_scales)
             elif self.quant == "int8":
@@ -166,25 +165,25 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_int4_rows(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4_rows(groups: Int4Groups) -> torch.Tensor:
     """4-bit groups in the layout of ``torch.ops.gemel.int4_group_mm`` (see its source):
-    rows in blocks of 16, per block and group 4 vectors of 64 bytes whose 32-bit lanes are
-    the 16 rows; scales and lows (``w = scale * q + low``) as [blocks, groups, 16]."""
+    rows in blocks of 16; per block and group one record of 4 vectors of 64 bytes whose
+    32-bit lanes are the 16 rows, then the rows' 16 scales and 16 lows (``w = scale * q + low``)."""
     out_features, in_features = groups.q.shape
     num_groups, blocks = in_features // 32, -(-out_features // 16)
     pad = blocks * 16 - out_features
     q = F.pad(groups.q.to(torch.uint8), (0, 0, 0, pad)).view(blocks, 16, num_groups, 4, 2, 4)
-    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, num_groups, 256)
-
+    codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, num_groups, 256)
     low = groups.zero.float() - 8.0 * groups.scale.float()
     # float16 halves the scale bytes the kernel streams, where it holds them to float32 precision
     # (GGUF Q4_0/Q4_1 store float16; ``low`` comes back through float32 arithmetic, hence a tolerance).
     dtype = torch.float16 if all(_fits_float16(t) for t in (groups.scale.float(), low)) else torch.float32
 
-    def by_block(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype).contiguous()
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [blocks, groups, 16 values as bytes]
+        by_block = F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype)
+        return by_block.contiguous().view(torch.uint8)
 
-    return packed.contiguous(), by_block(groups.scale), by_block(low)
+    return torch.cat([codes, as_bytes(groups.scale), as_bytes(low)], dim=-1).contiguous()
 
 
 def _fits_float16(t: torch.Tensor) -> bool:

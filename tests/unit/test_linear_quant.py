@@ -190,7 +190,8 @@ def test_int4_groups_with_integer_dot_products(rows, dtype, scale_dtype):
     lin = Linear(exact.to(dtype))
     lin.checkpoint_int4 = lambda: groups
     lin.quantize_("checkpoint", packed_max_rows=8)
-    assert lin.quant == "int4_groups" and lin.packed_max_rows == 8 and lin.w_q4_scales.dtype == scale_dtype
+    assert lin.quant == "int4_groups" and lin.packed_max_rows == 8
+    assert lin.w_q4.shape[-1] == 256 + 32 * scale_dtype.itemsize  # codes, then 16 scales and 16 lows
     x = torch.randn(rows, in_f).to(dtype)
     y = lin(x)
     assert y.dtype == dtype and y.shape == (rows, out_f)
@@ -220,3 +221,47 @@ def test_int4_groups_re_quantised_and_zero_rows():
     assert torch.all(y[1] == 0)
     ref = x[:1] @ w.T
     assert ((y[:1] - ref).norm() / ref.norm()).item() < 0.1  # 4-bit weights
+
+
+@pytest.mark.slow
+def test_int4_kernel_portable_loop_matches(tmp_path):
+    """The kernel's plain C++ loop (what a compiler without AVX512-VNNI builds) computes the
+    same as the written-out arithmetic: built here for x86-64-v3 and run in a fresh process,
+    since its op names are those of the library already loaded in this one."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    from gemel.layers import cpu_kernels
+
+    compiler = shutil.which("c++")
+    if compiler is None or __import__("platform").machine() != "x86_64":
+        pytest.skip("needs an x86-64 C++ compiler")
+    source = next(p for p in cpu_kernels.SOURCES if p.name == "int4_group_mm.cpp")
+    lib, torch_lib = tmp_path / "portable.so", library_paths()[0]
+    subprocess.run([compiler, str(source), "-o", str(lib), "-shared", "-fPIC", "-std=c++17", "-O1", "-march=x86-64-v3",
+                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                    *[f"-I{p}" for p in include_paths()], f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}",
+                    "-lc10", "-ltorch_cpu", "-ltorch"], check=True, capture_output=True)
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+torch.ops.load_library({str(lib)!r})
+from gemel.layers.linear import pack_int4_rows
+from gemel.models.weights import Int4Groups
+from test_linear_quant import _quantised_activation_product
+torch.manual_seed(0)
+for scale_dtype in (torch.float16, torch.float32):
+    scale = (torch.rand(40, 3) * 0.1 + 0.01).to(scale_dtype).float()
+    low = (torch.randn(40, 3) * 0.1).to(scale_dtype).float()
+    groups = Int4Groups(torch.randint(0, 16, (40, 96), dtype=torch.uint8), scale, low + 8 * scale)
+    x = torch.randn(5, 96)
+    y = torch.ops.gemel.int4_group_mm(x, pack_int4_rows(groups), 40)
+    torch.testing.assert_close(y, _quantised_activation_product(x, groups), atol=1e-4, rtol=1e-4)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

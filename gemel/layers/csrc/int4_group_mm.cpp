@@ -15,10 +15,11 @@
 // 16 (the last block zero-padded), and per block and group 4 vectors of 64 bytes. In vector
 // j, bytes 4i..4i+3 hold row i's weights 8j..8j+3 in their low nibbles and 8j+4..8j+7 in
 // their high nibbles, so each 32-bit lane of a dot product belongs to one output row: the
-// 16 lanes are 16 outputs, and no horizontal sums are needed. Scales and lows are
-// [blocks, groups, 16], float16 where that holds them exactly (GGUF Q4_0/Q4_1 store them so):
-// at batch 1 the kernel runs at memory bandwidth, and every byte per group counts (16 of
-// weights, 4 of scale and low); float32 otherwise (Q4_K's products of two scales, say).
+// 16 lanes are 16 outputs, and no horizontal sums are needed. The 256 bytes are followed by
+// the 16 rows' scales, then their lows: one record per block and group, so the kernel reads
+// one stream and torch.compile guards one tensor per projection. Scales and lows are float16
+// where that holds them exactly (GGUF Q4_0/Q4_1 store them so; a 320-byte record): at batch 1
+// the kernel runs at memory bandwidth, and every byte counts; float32 otherwise (384 bytes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +39,9 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
-constexpr int64_t kBlockBytes = kBlockRows * kGroup / 2;  // one group of one block
+constexpr int64_t kBlockBytes = kBlockRows * kGroup / 2;  // the 4-bit codes of one group of one block
+template <typename S>
+constexpr int64_t kRecord = kBlockBytes + 2 * kBlockRows * sizeof(S);  // codes, scales, lows
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kCodes = 2 * kGroup;  // coarse and fine int8 codes of one group of x
 constexpr float kFine = 254.f;          // fine code unit: 1/254 of the coarse one
@@ -79,21 +82,19 @@ inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si
 
 // One block of 16 output rows for kRows rows of x.
 template <int kRows, typename T, typename S>
-void int4_block(const int8_t* qx, const float* dx, const float* sx, const uint8_t* packed, const S* scales,
-                const S* lows, T* y, int64_t groups, int64_t out_features, int64_t block) {
+void int4_block(const int8_t* qx, const float* dx, const float* sx, const uint8_t* packed, T* y, int64_t groups,
+                int64_t out_features, int64_t block) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 total[kRows];
   for (int m = 0; m < kRows; ++m) total[m] = _mm512_setzero_ps();
-  const uint8_t* wb = packed + block * groups * kBlockBytes;
-  const S* db = scales + block * groups * kBlockRows;
-  const S* lb = lows + block * groups * kBlockRows;
   for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = packed + (block * groups + g) * kRecord<S>;
     // Per row of x: coarse and fine dot products, two chains each (low and high nibbles),
     // so consecutive vpdpbusd do not wait on each other.
     __m512i dot[kRows][4];
     for (int m = 0; m < kRows; ++m) dot[m][0] = dot[m][1] = dot[m][2] = dot[m][3] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      const __m512i bytes = _mm512_loadu_si512(wb + g * kBlockBytes + j * 64);
+      const __m512i bytes = _mm512_loadu_si512(record + j * 64);
       const __m512i lo = _mm512_and_si512(bytes, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
       for (int m = 0; m < kRows; ++m) {
@@ -109,8 +110,8 @@ void int4_block(const int8_t* qx, const float* dx, const float* sx, const uint8_
         dot[m][3] = _mm512_dpbusd_epi32(dot[m][3], hi, _mm512_set1_epi32(r_hi));
       }
     }
-    const __m512 d = load16(db + g * kBlockRows);
-    const __m512 low = load16(lb + g * kBlockRows);
+    const __m512 d = load16(reinterpret_cast<const S*>(record + kBlockBytes));
+    const __m512 low = load16(reinterpret_cast<const S*>(record + kBlockBytes) + kBlockRows);
     for (int m = 0; m < kRows; ++m) {
       // 254 * coarse + fine in int32: |sum| <= 32 * 15 * 127 * 255 < 2^24, so exact as float too.
       const __m512i coarse = _mm512_add_epi32(dot[m][0], dot[m][1]), fine = _mm512_add_epi32(dot[m][2], dot[m][3]);
@@ -135,29 +136,28 @@ void int4_block(const int8_t* qx, const float* dx, const float* sx, const uint8_
 // One block for all rows of x, at most 4 at a time (more would not fit the registers; the
 // block's weights are still in L1 for the next 4).
 template <typename T, typename S>
-void int4_block_all_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t* packed,
-                         const S* scales, const S* lows, T* y, int64_t rows, int64_t groups,
-                         int64_t out_features, int64_t b) {
+void int4_block_all_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t* packed, T* y,
+                         int64_t rows, int64_t groups, int64_t out_features, int64_t b) {
   for (int64_t m = 0; m < rows; m += 4) {
     const int8_t* q = qx + m * groups * kCodes;
     const float *d = dx + m * groups, *s = sx + m * groups;
     T* out = y + m * out_features;
     switch (std::min<int64_t>(4, rows - m)) {
-      case 1: int4_block<1, T, S>(q, d, s, packed, scales, lows, out, groups, out_features, b); break;
-      case 2: int4_block<2, T, S>(q, d, s, packed, scales, lows, out, groups, out_features, b); break;
-      case 3: int4_block<3, T, S>(q, d, s, packed, scales, lows, out, groups, out_features, b); break;
-      default: int4_block<4, T, S>(q, d, s, packed, scales, lows, out, groups, out_features, b); break;
+      case 1: int4_block<1, T, S>(q, d, s, packed, out, groups, out_features, b); break;
+      case 2: int4_block<2, T, S>(q, d, s, packed, out, groups, out_features, b); break;
+      case 3: int4_block<3, T, S>(q, d, s, packed, out, groups, out_features, b); break;
+      default: int4_block<4, T, S>(q, d, s, packed, out, groups, out_features, b); break;
     }
   }
 }
 #endif
 
 template <typename T, typename S>
-void int4_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t* packed, const S* scales,
-               const S* lows, T* y, int64_t rows, int64_t groups, int64_t out_features, int64_t b0, int64_t b1) {
+void int4_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t* packed, T* y, int64_t rows,
+               int64_t groups, int64_t out_features, int64_t b0, int64_t b1) {
 #if defined(GEMEL_VNNI)
   for (int64_t b = b0; b < b1; ++b)
-    int4_block_all_rows(qx, dx, sx, packed, scales, lows, y, rows, groups, out_features, b);
+    int4_block_all_rows<T, S>(qx, dx, sx, packed, y, rows, groups, out_features, b);
 #else
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t i = 0; i < kBlockRows && b * kBlockRows + i < out_features; ++i) {
@@ -167,15 +167,15 @@ void int4_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t
         for (int64_t g = 0; g < groups; ++g) {
           int32_t coarse = 0, fine = 0;
           for (int64_t k = 0; k < kGroup; ++k) {
-            const uint8_t byte = packed[(b * groups + g) * kBlockBytes + (k / 8) * 64 + 4 * i + k % 4];
+            const uint8_t byte = packed[(b * groups + g) * kRecord<S> + (k / 8) * 64 + 4 * i + k % 4];
             const int32_t w = (k % 8 < 4 ? byte : byte >> 4) & 0x0F;
             coarse += w * qx[(m * groups + g) * kCodes + k];
             fine += w * qx[(m * groups + g) * kCodes + kGroup + k];
           }
-          const int64_t s = (b * groups + g) * kBlockRows + i;
+          const S* scales = reinterpret_cast<const S*>(packed + (b * groups + g) * kRecord<S> + kBlockBytes);
           const float dot = static_cast<float>(254 * coarse + fine) / kFine;
-          total += dot * static_cast<float>(scales[s]) * dx[m * groups + g] +
-                   static_cast<float>(lows[s]) * sx[m * groups + g];
+          total += dot * static_cast<float>(scales[i]) * dx[m * groups + g] +
+                   static_cast<float>(scales[kBlockRows + i]) * sx[m * groups + g];
         }
         y[m * out_features + n] = static_cast<T>(total);
       }
@@ -184,25 +184,18 @@ void int4_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t
 #endif
 }
 
-// x: [M, K] (M <= 8); packed: [ceil(N/16), K/32, 256] uint8; scales, lows: [ceil(N/16), K/32, 16]
-// float16 or float32. Returns [M, out_features] in x's dtype.
-at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& lows,
-                         int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && scales.dim() == 3, "x [M,K], packed [B,G,256], scales/lows [B,G,16]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8");
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  lows.scalar_type() == scales.scalar_type(),
-              "scales and lows both float16 or both float32");
+// x: [M, K] (M <= 8); packed: [ceil(N/16), K/32, 320 or 384] uint8 records (see the top).
+// Returns [M, out_features] in x's dtype.
+at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.scalar_type() == at::kByte, "x [M,K], packed [B,G,record] uint8");
   const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / kGroup;
   const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
   TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(packed.size(0) == blocks && packed.size(1) == groups && packed.size(2) == kBlockBytes,
-              "packed weight does not match x and out_features");
-  TORCH_CHECK(scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == kBlockRows &&
-                  lows.sizes() == scales.sizes(),
-              "one scale and one low per row and group");
+  TORCH_CHECK(packed.size(0) == blocks && packed.size(1) == groups, "packed weight does not match x and out_features");
+  const bool half_scales = packed.size(2) == kRecord<at::Half>;
+  TORCH_CHECK(half_scales || packed.size(2) == kRecord<float>, "records are 320 (float16 scales) or 384 bytes");
   TORCH_CHECK(rows <= kMaxRows, "at most 8 rows");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && lows.is_contiguous(), "weights must be contiguous");
+  TORCH_CHECK(packed.is_contiguous(), "packed weight must be contiguous");
   const auto xc = x.contiguous();
   // Scratch for x's int8 groups, reused by this thread's later calls.
   thread_local std::vector<int8_t> qx;
@@ -217,15 +210,12 @@ at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at
     const float *dxp = dx.data(), *sxp = sx.data();
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    auto run = [&](const auto* scp, const auto* lp) {
-      at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-        int4_rows(qxp, dxp, sxp, wp, scp, lp, yp, rows, groups, out_features, b0, b1);
-      });
-    };
-    if (scales.scalar_type() == at::kHalf)
-      run(scales.data_ptr<at::Half>(), lows.data_ptr<at::Half>());
-    else
-      run(scales.data_ptr<float>(), lows.data_ptr<float>());
+    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+      if (half_scales)
+        int4_rows<scalar_t, at::Half>(qxp, dxp, sxp, wp, yp, rows, groups, out_features, b0, b1);
+      else
+        int4_rows<scalar_t, float>(qxp, dxp, sxp, wp, yp, rows, groups, out_features, b0, b1);
+    });
   });
   return y;
 }
@@ -233,7 +223,7 @@ at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
-  m.def("int4_group_mm(Tensor x, Tensor packed, Tensor scales, Tensor lows, int out_features) -> Tensor");
+  m.def("int4_group_mm(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("int4_group_mm", &int4_group_mm); }
