@@ -6,11 +6,13 @@ slot = block_id * block_size + offset) and the per-request random generators.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from gemel.engine.compiled_forward import CompiledForward
 from gemel.engine.scheduler import SchedulerOutput
 from gemel.engine.sequence import Sequence
 from gemel.layers import cpu_kernels
@@ -265,8 +267,9 @@ class ModelRunner:
         batch and context length; batch 1 is specialised by PyTorch, so both it and one
         larger batch are compiled here, before any request waits on it. Inductor caches the
         generated code on disk, so later start-ups are much faster. Other steps stay eager.
+        Later steps replay the compiled code by their shape key (see ``CompiledForward``).
         """
-        self.compiled_forward = torch.compile(self.model.forward, dynamic=True, options={"freezing": True})
+        self.compiled_forward = CompiledForward(self.model, dynamic=True, options={"freezing": True})
         self.compile_max_batch_size = max_batch_size
         for batch in sorted({1, min(2, max_batch_size)}):
             self._warm_up_decode(batch, context=2 * self.block_size + 5)
@@ -282,19 +285,24 @@ class ModelRunner:
                                  groups=[group], num_tokens=batch, decode_kernel=self.decode_kernel)
         ids = torch.zeros(batch, dtype=torch.long, device=self.device)
         pos = torch.full((batch,), context - 1, dtype=torch.long, device=self.device)
-        self.compiled_forward(ids, pos, meta, self.kv_caches)
+        self.compiled_forward(batch, ids, pos, meta, self.kv_caches)
 
     def _forward_for(self, sched: SchedulerOutput, meta: AttentionMetadata):
         """The compiled forward for small decode-only steps (one attention group, the shape it
-        was compiled for), else the eager model."""
+        was compiled for), else the eager model. A one-token context (the prefill of a
+        one-token prompt) stays eager too: PyTorch specialises size 1, so it would be a new
+        graph to compile while the request waits. What remains selects a graph by the batch
+        size alone (1 is its own graph; the low-bit projections switch at packed_max_rows),
+        so that is the replay key."""
         if (
             self.compiled_forward is not None
             and len(meta.groups) == 1
             and meta.groups[0].shared_slots is None
             and len(sched.scheduled) <= self.compile_max_batch_size
             and all(n == 1 and not seq.spec_token_ids for seq, n in sched.scheduled)
+            and meta.groups[0].kv_slots.shape[1] >= 2
         ):
-            return self.compiled_forward
+            return functools.partial(self.compiled_forward, meta.num_tokens)
         return self.model
 
     # -- the step ---------------------------------------------------------------------

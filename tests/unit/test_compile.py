@@ -45,6 +45,22 @@ def test_compiled_decode_matches_eager(tiny_llama_dir, dtype):
             for lx, ly in zip(x.outputs[0].logprobs[:n], y.outputs[0].logprobs[:n]):
                 assert abs(lx.logprob - ly.logprob) < tol
     assert calls["compiled"] == 2 * (params.max_tokens - 1)  # the decode steps of batches 1 and 2
+    assert set(inner.replay) == {1, 2}  # after their first steps, both replay the compiled code directly
+
+
+def test_one_token_context_stays_eager(tiny_llama_dir):
+    """The prefill of a one-token prompt is a one-token step too, but PyTorch would compile a
+    new graph for its size-1 context while the request waits: it runs eagerly instead."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    eager = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    compiled = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=64, compile=True, compile_max_batch_size=2)
+    entries = __import__("torch")._dynamo.eval_frame._debug_get_cache_entry_list
+    code = type(compiled.engine.core.loaded.model).forward.__code__
+    before = len(entries(code))
+    a = eager.generate(prompt_token_ids=[[42]], sampling_params=params)[0].outputs[0].token_ids
+    b = compiled.generate(prompt_token_ids=[[42]], sampling_params=params)[0].outputs[0].token_ids
+    assert a == b
+    assert len(entries(code)) == before  # nothing compiled at request time
 
 
 def test_compiled_decode_with_low_bit_weights_matches_eager(tiny_llama_dir):
