@@ -53,7 +53,12 @@ class EngineConfig(BaseModel):
         description="weight-only low-bit copies of the projections for small decode batches (CPU): "
         "checkpoint = the GGUF's own Q4_0/Q4_1 groups, exact; int8/int4 = re-quantised, lossy",
     )
-    packed_max_rows: int = Field(4, ge=0, description="use the packed low-bit kernels up to this many rows")
+    packed_max_rows: int | None = Field(
+        None,
+        ge=0,
+        description="use the packed low-bit kernels up to this many rows; default 8 where gemel's "
+        "AVX512-VNNI kernel serves the 4-bit groups, else 4 (PyTorch's kernels lose beyond that)",
+    )
     cpu_attention_kernel: bool = Field(
         True,
         description="decode attention through a C++ kernel that reads the paged KV cache in place (CPU; "
@@ -64,7 +69,7 @@ class EngineConfig(BaseModel):
         description="torch.compile the forward pass of decode-only steps of up to compile_max_batch_size "
         "sequences (fuses the small ops that dominate small batches on CPU); compiled at start-up",
     )
-    compile_max_batch_size: int = Field(4, ge=1, description="largest decode batch that takes the compiled path")
+    compile_max_batch_size: int = Field(8, ge=1, description="largest decode batch that takes the compiled path")
     speculative_method: Literal["none", "ngram", "draft_layers"] = Field(
         "none", description="speculative decoding proposer (F18): n-gram prompt lookup or the target's first layers"
     )

@@ -21,6 +21,7 @@ from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel
+from gemel.layers import cpu_kernels
 from gemel.layers.linear import prepack_model_, quantize_model_
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
@@ -39,7 +40,10 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
-        quantize_model_(self.loaded.model, config.weight_quant, config.packed_max_rows)
+        packed_rows = config.packed_max_rows
+        if packed_rows is None:
+            packed_rows = 8 if self.device.type == "cpu" and cpu_kernels.has_vnni() else 4
+        quantize_model_(self.loaded.model, config.weight_quant, packed_rows)
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)

@@ -265,14 +265,22 @@ class ModelRunner:
         At small batches a CPU step is mostly dispatch overhead of a few thousand small ops;
         inductor fuses them (and, with freezing, folds the weights in). Shapes are dynamic in
         batch and context length; batch 1 is specialised by PyTorch, so both it and one
-        larger batch are compiled here, before any request waits on it. Inductor caches the
+        larger batch are compiled here (and the first batch past the low-bit copies' row limit,
+        where the graph changes), before any request waits on it. Inductor caches the
         generated code on disk, so later start-ups are much faster. Other steps stay eager.
         Later steps replay the compiled code by their shape key (see ``CompiledForward``).
         """
         self.compiled_forward = CompiledForward(self.model, dynamic=True, options={"freezing": True})
         self.compile_max_batch_size = max_batch_size
-        for batch in sorted({1, min(2, max_batch_size)}):
+        for batch in self._graph_batch_sizes(max_batch_size):
             self._warm_up_decode(batch, context=2 * self.block_size + 5)
+
+    def _graph_batch_sizes(self, max_batch_size: int) -> list[int]:
+        """The smallest batch of each distinct compiled graph up to ``max_batch_size``: 1
+        (PyTorch specialises it), 2, and the first batch above each low-bit projection's
+        ``packed_max_rows``, where the graph switches to the dense weights."""
+        limits = {m.packed_max_rows for m in self.model.modules() if getattr(m, "quant", None) is not None}
+        return sorted(b for b in {1, 2, *(n + 1 for n in limits)} if b <= max_batch_size)
 
     @torch.inference_mode()
     def _warm_up_decode(self, batch: int, context: int) -> None:

@@ -82,3 +82,19 @@ def test_compiled_decode_with_low_bit_weights_matches_eager(tiny_llama_dir):
             n = _same_until_tie(x.outputs[0], y.outputs[0], tol)
             for i, (lx, ly) in enumerate(zip(x.outputs[0].logprobs[:n], y.outputs[0].logprobs[:n])):
                 assert abs(lx.logprob - ly.logprob) < tol, (batch, i, lx, ly)
+
+
+def test_graph_batch_sizes_cover_each_compiled_graph(tiny_llama_dir):
+    """Start-up compiles the first batch of every graph up to compile_max_batch_size: 1, 2,
+    and past the low-bit copies' row limit (so no request waits on a compile); by default
+    that limit is 8 rows with the VNNI kernel, 4 with PyTorch's."""
+    from gemel.layers import cpu_kernels
+
+    dense = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=16).engine.core.runner
+    assert dense._graph_batch_sizes(8) == [1, 2] and dense._graph_batch_sizes(1) == [1]
+    four = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=16, weight_quant="int4", packed_max_rows=4)
+    assert four.engine.core.runner._graph_batch_sizes(8) == [1, 2, 5]
+    assert four.engine.core.runner._graph_batch_sizes(4) == [1, 2]
+    auto = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=16, weight_quant="int4")
+    rows = 8 if cpu_kernels.has_vnni() else 4
+    assert auto.engine.core.loaded.model.layers[0].qkv_proj.packed_max_rows == rows
