@@ -41,8 +41,9 @@ class EngineCore:
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
         packed_rows = config.packed_max_rows
-        if packed_rows is None:
-            packed_rows = 8 if self.device.type == "cpu" and cpu_kernels.has_vnni() else 4
+        if packed_rows is None:  # 8 rows where gemel's VNNI kernel will serve the 4-bit groups
+            vnni = config.weight_quant != "none" and self.device.type == "cpu" and cpu_kernels.has_vnni()
+            packed_rows = 8 if vnni and cpu_kernels.load() else 4
         quantize_model_(self.loaded.model, config.weight_quant, packed_rows)
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
