@@ -54,7 +54,8 @@ def test_one_token_context_stays_eager(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     eager = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=64)
     compiled = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=64, compile=True, compile_max_batch_size=2)
-    entries = __import__("torch")._dynamo.eval_frame._debug_get_cache_entry_list
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
     code = type(compiled.engine.core.loaded.model).forward.__code__
     before = len(entries(code))
     a = eager.generate(prompt_token_ids=[[42]], sampling_params=params)[0].outputs[0].token_ids

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gemel import LLM, SamplingParams
+from gemel.layers import cpu_kernels
 from gemel.layers.linear import Linear
 
 
@@ -101,7 +102,6 @@ def test_checkpoint_groups_are_used_exactly(monkeypatch):
     """weight_quant=checkpoint feeds the stored groups to PyTorch's int4 kernel (on CPUs without
     AVX512-VNNI): the product equals x @ W^T with W the stored weights (bf16 output rounding
     only), and it never re-quantises."""
-    from gemel.layers import cpu_kernels
     from gemel.models.weights import Int4Groups
 
     monkeypatch.setattr(cpu_kernels, "has_vnni", lambda: False)
@@ -126,7 +126,6 @@ def test_checkpoint_groups_are_used_exactly(monkeypatch):
 def test_checkpoint_int8_groups_are_used_exactly(rows):
     """Q8_0 groups (the usual GGUF LM head) go to gemel's C++ kernel as they are: the product
     equals x @ W^T with W the stored weights; above packed_max_rows the dense weight serves."""
-    from gemel.layers import cpu_kernels
     from gemel.models.weights import Int8Groups
 
     assert cpu_kernels.load()
@@ -164,9 +163,7 @@ def _quantised_activation_product(x: torch.Tensor, groups) -> torch.Tensor:
     return (dots * groups.scale[None] * dx[:, None]).sum(-1) + xg.sum(-1) @ low.T
 
 
-needs_vnni = pytest.mark.skipif(
-    not (__import__("gemel.layers.cpu_kernels").layers.cpu_kernels.has_vnni()), reason="no AVX512-VNNI on this CPU"
-)
+needs_vnni = pytest.mark.skipif(not cpu_kernels.has_vnni(), reason="no AVX512-VNNI on this CPU")
 
 
 @needs_vnni
@@ -176,7 +173,6 @@ needs_vnni = pytest.mark.skipif(
 def test_int4_groups_with_integer_dot_products(rows, dtype, scale_dtype):
     """4-bit groups run through gemel's VNNI kernel: it equals the same arithmetic written
     out in PyTorch and x @ W^T to within bf16-level rounding, and leaves larger batches dense."""
-    from gemel.layers import cpu_kernels
     from gemel.models.weights import Int4Groups
 
     assert cpu_kernels.load()
@@ -228,6 +224,7 @@ def test_int4_kernel_portable_loop_matches(tmp_path):
     """The kernel's plain C++ loop (what a compiler without AVX512-VNNI builds) computes the
     same as the written-out arithmetic: built here for x86-64-v3 and run in a fresh process,
     since its op names are those of the library already loaded in this one."""
+    import platform
     import shutil
     import subprocess
     import sys
@@ -235,10 +232,8 @@ def test_int4_kernel_portable_loop_matches(tmp_path):
 
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    from gemel.layers import cpu_kernels
-
     compiler = shutil.which("c++")
-    if compiler is None or __import__("platform").machine() != "x86_64":
+    if compiler is None or platform.machine() != "x86_64":
         pytest.skip("needs an x86-64 C++ compiler")
     source = next(p for p in cpu_kernels.SOURCES if p.name == "int4_group_mm.cpp")
     lib, torch_lib = tmp_path / "portable.so", library_paths()[0]
