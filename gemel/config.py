@@ -64,6 +64,11 @@ class EngineConfig(BaseModel):
         description="decode attention through a C++ kernel that reads the paged KV cache in place (CPU; "
         "built with the system C++ compiler on first use and cached; the PyTorch path where it cannot be built)",
     )
+    cpu_fused_ops: bool = Field(
+        True,
+        description="RMSNorm, SiLU-and-mul and the rotary embedding as fused C++ ops in eager steps (CPU, "
+        "Llama-family models; built with the other C++ kernels; the PyTorch ops where they cannot be built)",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the forward pass of decode-only steps of up to compile_max_batch_size "

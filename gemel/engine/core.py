@@ -63,6 +63,8 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device)
         if config.cpu_attention_kernel and self.device.type == "cpu":
             log.info("C++ decode attention kernel: %s", "on" if self.runner.enable_decode_kernel() else "off")
+        if config.cpu_fused_ops and self.device.type == "cpu":
+            log.info("fused C++ element-wise ops: %s", "on" if self.runner.enable_fused_ops() else "off")
         if config.compile:
             t_compile = time.monotonic()
             self.runner.enable_compile(config.compile_max_batch_size)

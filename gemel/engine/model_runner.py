@@ -110,6 +110,7 @@ class ModelRunner:
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()
         self.decode_kernel = False  # set by enable_decode_kernel()
+        self.fused_ops = False  # set by enable_fused_ops()
         self.compiled_forward = None  # set by enable_compile()
         self.compile_max_batch_size = 0
         self.structured = None  # StructuredOutputManager when any request is constrained
@@ -153,6 +154,7 @@ class ModelRunner:
             groups=groups,
             num_tokens=row,
             decode_kernel=self.decode_kernel,
+            fused_ops=self.fused_ops,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
@@ -231,6 +233,7 @@ class ModelRunner:
                 groups=[group],
                 num_tokens=len(seqs),
                 decode_kernel=self.decode_kernel,
+                fused_ops=self.fused_ops,
             )
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -257,6 +260,13 @@ class ModelRunner:
         only; built on first use). Returns whether it is on: without a compiler it stays off."""
         self.decode_kernel = self.device.type == "cpu" and cpu_kernels.load()
         return self.decode_kernel
+
+    def enable_fused_ops(self) -> bool:
+        """RMSNorm, SiLU-and-mul and rotary as fused C++ ops in eager steps (CPU, Llama-family
+        models; see layers/fused.py). Returns whether they are on."""
+        supported = getattr(self.model, "supports_fused_ops", False)
+        self.fused_ops = self.device.type == "cpu" and supported and cpu_kernels.load()
+        return self.fused_ops
 
     # -- compiled decode ----------------------------------------------------------------
     def enable_compile(self, max_batch_size: int) -> None:

@@ -44,6 +44,9 @@ class AttentionMetadata:
     num_tokens: int
     # Plain decode groups use torch.ops.gemel.paged_decode_attention (CPU, loaded by the runner).
     decode_kernel: bool = False
+    # The layers' RMSNorm, SiLU-and-mul and rotary run as fused C++ ops (CPU, eager steps;
+    # a torch.compile'd step fuses the PyTorch versions itself). See layers/fused.py.
+    fused_ops: bool = False
 
 
 def build_group(

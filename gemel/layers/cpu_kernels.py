@@ -1,9 +1,10 @@
 """C++ CPU kernels, built on first use with the machine's C++ compiler and cached on disk.
 
-Three kernels so far, all under ``torch.ops.gemel``: decode attention that reads the paged
-KV cache in place (``csrc/paged_attention.cpp``), and small-batch projections on a weight's
-own int8 groups (``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer
-dot products (``csrc/int4_group_mm.cpp``, AVX512-VNNI). They are compiled into one library
+All under ``torch.ops.gemel``: decode attention that reads the paged KV cache in place
+(``csrc/paged_attention.cpp``), small-batch projections on a weight's own int8 groups
+(``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer dot products
+(``csrc/int4_group_mm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
+embedding for eager steps (``csrc/fused_ops.cpp``). They are compiled into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and CPU, and cached under
 ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemel.layers import fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_llama
 from gemel.layers.linear import Linear
@@ -30,6 +31,8 @@ class LlamaLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         cfg = self.cfg
+        if fused.use_fused(meta):
+            return self._forward_fused(x, cos, sin, meta, kv_cache)
         h = rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps)
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -41,8 +44,21 @@ class LlamaLayer(nn.Module):
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
+    def _forward_fused(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        """The same layer with the element-wise ops fused (CPU, eager; see layers/fused.py)."""
+        cfg = self.cfg
+        qkv = self.qkv_proj(fused.rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps))
+        q, k = fused.rotary_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
+        x = x + self.o_proj(attn)
+        h = fused.rms_norm_llama(x, self.post_attn_norm, cfg.rms_norm_eps)
+        return x + self.down_proj(fused.silu_and_mul(self.gate_up_proj(h)))
+
 
 class LlamaForCausalLM(nn.Module):
+    supports_fused_ops = True  # layers/fused.py
+
     def __init__(self, cfg: ModelArchConfig, w: WeightSource, device: torch.device, max_positions: int):
         super().__init__()
         self.cfg = cfg
@@ -68,6 +84,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache)
+        if fused.use_fused(meta):
+            return fused.rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
         return rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

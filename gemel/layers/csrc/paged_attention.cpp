@@ -114,6 +114,122 @@ inline void weigh_values(const float* probs, const T* v_cache, const int64_t* sl
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Fast path for bf16 caches with a head size of 64 or 128 (AVX512-BF16): the scores of 16
+// keys at a time with bf16 dot products (vdpbf16ps, float32 sums), their 16 horizontal sums
+// done together, and the value sums kept in registers rather than in memory.
+// out[i] = sum of the 16 lanes of v[i].
+inline __m512 sum_lanes_of_16(const __m512* v) {
+  __m512 half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves added: vectors 2i, 2i+1 in one register
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                            _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L now holds 4 partial sums of vector 4i + L
+    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // Lane 4L + j now holds vector 4j + L: transpose the 4x4 order back.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// scores[g * n + t] = scale * (query_g . key_t), G query heads, head size 32 * W.
+template <int G, int W>
+void score_keys_bf16(const at::BFloat16* q_rows, const at::BFloat16* k_cache, const int64_t* slots, int64_t n,
+                     float scale, float* scores) {
+  __m512bh query[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w)
+      query[g][w] = (__m512bh)_mm512_loadu_si512(q_rows + g * 32 * W + 32 * w);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
+    const at::BFloat16* keys[16];
+    for (int j = 0; j < 16; ++j) keys[j] = k_cache + slots[t0 + std::min(j, m - 1)] * 32 * W;
+    if (t0 + 16 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t0 + 16] * 32 * W), _MM_HINT_T0);
+    const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int w = 0; w < W; ++w)
+          acc = _mm512_dpbf16_ps(acc, query[g][w], (__m512bh)_mm512_loadu_si512(keys[j] + 32 * w));
+        dots[j] = acc;
+      }
+      _mm512_mask_storeu_ps(scores + g * n + t0, valid, _mm512_mul_ps(sum_lanes_of_16(dots), scale_v));
+    }
+  }
+}
+
+// acc[g * 16 * V + d] = sum_t probs[g * n + t] * value_t[d], G query heads, head size 16 * V.
+template <int G, int V>
+void weigh_values_bf16(const float* probs, const at::BFloat16* v_cache, const int64_t* slots, int64_t n, float* acc) {
+  __m512 sums[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) sums[g][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const at::BFloat16* value = v_cache + slots[t] * 16 * V;
+    if (t + 2 < n) _mm_prefetch(reinterpret_cast<const char*>(v_cache + slots[t + 2] * 16 * V), _MM_HINT_T0);
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * n + t]);
+    for (int v = 0; v < V; ++v) {
+      const __m512 x = load16(value + 16 * v);
+      for (int g = 0; g < G; ++g) sums[g][v] = _mm512_fmadd_ps(p[g], x, sums[g][v]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (g * V + v) * 16, sums[g][v]);
+}
+
+// Dispatch to the instantiations above; false where none covers (group, head_dim).
+template <int G>
+bool score_keys_fast_g(const at::BFloat16* q_rows, const at::BFloat16* k_head, const int64_t* slots, int64_t n,
+                       int64_t head_dim, float scale, float* scores) {
+  if (head_dim == 64) return score_keys_bf16<G, 2>(q_rows, k_head, slots, n, scale, scores), true;
+  if (head_dim == 128) return score_keys_bf16<G, 4>(q_rows, k_head, slots, n, scale, scores), true;
+  return false;
+}
+
+inline bool score_keys_fast(int64_t group, const at::BFloat16* q_rows, const at::BFloat16* k_head,
+                            const int64_t* slots, int64_t n, int64_t head_dim, float scale, float* scores) {
+  switch (group) {
+    case 1: return score_keys_fast_g<1>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 2: return score_keys_fast_g<2>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 3: return score_keys_fast_g<3>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 4: return score_keys_fast_g<4>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 5: return score_keys_fast_g<5>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 6: return score_keys_fast_g<6>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 7: return score_keys_fast_g<7>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 8: return score_keys_fast_g<8>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    default: return false;
+  }
+}
+
+// Value sums in registers while they fit (group * head_dim / 16 <= 16 vectors).
+inline bool weigh_values_fast(int64_t group, const float* probs, const at::BFloat16* v_head, const int64_t* slots,
+                              int64_t n, int64_t head_dim, float* acc) {
+  if (head_dim == 64) {
+    switch (group) {
+      case 1: return weigh_values_bf16<1, 4>(probs, v_head, slots, n, acc), true;
+      case 2: return weigh_values_bf16<2, 4>(probs, v_head, slots, n, acc), true;
+      case 3: return weigh_values_bf16<3, 4>(probs, v_head, slots, n, acc), true;
+      case 4: return weigh_values_bf16<4, 4>(probs, v_head, slots, n, acc), true;
+      default: return false;
+    }
+  }
+  if (head_dim == 128 && group <= 2) {
+    return group == 1 ? (weigh_values_bf16<1, 8>(probs, v_head, slots, n, acc), true)
+                      : (weigh_values_bf16<2, 8>(probs, v_head, slots, n, acc), true);
+  }
+  return false;
+}
+
+#endif
+
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* kv_slots,
                       const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads,
@@ -134,12 +250,20 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         std::fill(out_rows, out_rows + group * head_dim, T(0));
         continue;
       }
-      row_to_float(q_rows, query.data(), group * head_dim);
-      for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
       scores.resize(group * n);
       // Scores: one pass over the keys, every query head of the group per key.
       const T* k_head = k_cache + h * num_slots * head_dim;
-      score_keys(query.data(), k_head, slots, n, group, head_dim, scores.data(), row.data());
+      const T* v_head = v_cache + h * num_slots * head_dim;
+      bool scored = false, weighed = false;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        scored = score_keys_fast(group, q_rows, k_head, slots, n, head_dim, scale, scores.data());
+#endif
+      if (!scored) {
+        row_to_float(q_rows, query.data(), group * head_dim);
+        for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
+        score_keys(query.data(), k_head, slots, n, group, head_dim, scores.data(), row.data());
+      }
       // Softmax per query head (unnormalised; divided out at the end).
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
@@ -155,8 +279,14 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         total[g] = sum;
       }
       // Weighted sum of the values: one pass over the values.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      weigh_values(scores.data(), v_cache + h * num_slots * head_dim, slots, n, group, head_dim, acc.data(), row.data());
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        weighed = weigh_values_fast(group, scores.data(), v_head, slots, n, head_dim, acc.data());
+#endif
+      if (!weighed) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        weigh_values(scores.data(), v_head, slots, n, group, head_dim, acc.data(), row.data());
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);

@@ -1,0 +1,189 @@
+// Fused element-wise ops of the eager CPU step: RMSNorm, SiLU-and-multiply, rotary embedding.
+//
+// In PyTorch each of these is 3-10 separate kernels, each a pass over memory and (at decode
+// sizes) a few microseconds of dispatch: ~45 small ops per layer at batch 32. Here each is
+// one pass. They round at the same points as the PyTorch code they replace (every PyTorch
+// op on bf16 computes in float32 and rounds its result to bf16), so results agree with it
+// up to the order of the RMSNorm sum.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+
+namespace {
+
+// Scalar conversions written so that loops over them vectorise (c10's do not).
+template <typename T>
+inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float to_f<at::BFloat16>(at::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_f(float f) {
+  return static_cast<T>(f);
+}
+template <>
+inline at::BFloat16 from_f<at::BFloat16>(float f) {
+  // Round to nearest even, as PyTorch does; NaN stays NaN (tested on the bits: the build
+  // uses -ffast-math, under which f != f may be folded away).
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  at::BFloat16 out;
+  out.x = static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  return out;
+}
+
+// Value as stored in T (the rounding a PyTorch op with a T result applies).
+template <typename T>
+inline float round_as(float f) {
+  return to_f<T>(from_f<T>(f));
+}
+
+// Rows of at least this many elements per task before the work is split across threads.
+constexpr int64_t kGrainElements = 32768;
+
+inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
+
+// Llama order: normalise in float32, round to T, then multiply by the T weight (rounding
+// again). Gemma order (weight_in_float): multiply the float32 normalised value by the weight
+// (stored with the 1 added) and round once.
+template <typename T, typename W>
+void rms_norm_rows(const T* x, const W* weight, T* out, int64_t rows, int64_t dim, int64_t x_stride, float eps,
+                   bool weight_in_float) {
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * x_stride;
+      T* o = out + r * dim;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = to_f<T>(xr[i]);
+        sum += v * v;
+      }
+      // In double: -ffast-math would otherwise turn 1/sqrtf into an approximate rsqrt.
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sum / static_cast<float>(dim) + eps)));
+      if (weight_in_float) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<T>(xr[i]) * inv * to_f<W>(weight[i]));
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<W>(weight[i]) * round_as<T>(to_f<T>(xr[i]) * inv));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool weight_in_float) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "rms_norm: weight must be [dim]");
+  TORCH_CHECK(weight_in_float ? weight.scalar_type() == at::kFloat || weight.scalar_type() == x.scalar_type()
+                              : weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    if (weight.scalar_type() == at::kFloat && !std::is_same_v<scalar_t, float>) {
+      rms_norm_rows<scalar_t, float>(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                                     x.size(0), x.size(1), x.stride(0), static_cast<float>(eps), weight_in_float);
+    } else {
+      rms_norm_rows<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                        x.size(0), x.size(1), x.stride(0), static_cast<float>(eps), weight_in_float);
+    }
+  });
+  return out;
+}
+
+// out = silu(gate) * up for x = [gate | up], with F.silu's result rounded to T first.
+template <typename T>
+void silu_and_mul_rows(const T* in, T* out, int64_t rows, int64_t dim, int64_t stride) {
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gate = in + r * stride;
+      const T* up = gate + dim;
+      T* o = out + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) {
+        const float g = to_f<T>(gate[i]);
+        o[i] = from_f<T>(round_as<T>(g / (1.f + std::exp(-g))) * to_f<T>(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * dim]");
+  const int64_t rows = x.size(0), dim = x.size(1) / 2;
+  auto out = at::empty({rows, dim}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, dim, x.stride(0));
+  });
+  return out;
+}
+
+// The half-rotation rotary embedding of q and k, read from the fused qkv projection's rows:
+// out = x * cos + cat(-x2, x1) * sin with cos/sin the [tokens, head_dim] tables of the step
+// (both halves equal), each product and the sum rounded to T as in the PyTorch version.
+template <typename T>
+void rotary_rows(const T* in, const T* cos, const T* sin, T* q, T* k, int64_t tokens, int64_t stride,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2, heads = num_heads + num_kv_heads;
+  at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* c = cos + t * head_dim;
+      const T* s = sin + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x = in + t * stride + h * head_dim;
+        T* o = h < num_heads ? q + (t * num_heads + h) * head_dim : k + (t * num_kv_heads + h - num_heads) * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
+          o[i] = from_f<T>(round_as<T>(x1 * to_f<T>(c[i])) + round_as<T>(-x2 * to_f<T>(s[i])));
+          o[i + half] = from_f<T>(round_as<T>(x2 * to_f<T>(c[i + half])) + round_as<T>(x1 * to_f<T>(s[i + half])));
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_qk: qkv must be [tokens, width] with contiguous rows");
+  TORCH_CHECK(qkv.size(1) >= (num_heads + num_kv_heads) * head_dim && head_dim % 2 == 0, "rotary_qk: qkv too narrow");
+  const int64_t tokens = qkv.size(0);
+  const auto c = cos.reshape({tokens, head_dim}).contiguous();
+  const auto s = sin.reshape({tokens, head_dim}).contiguous();
+  TORCH_CHECK(c.scalar_type() == qkv.scalar_type() && s.scalar_type() == qkv.scalar_type(), "rotary_qk: table dtype");
+  auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
+  auto k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_qk", [&] {
+    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tokens, qkv.stride(0), num_heads,
+                          num_kv_heads, head_dim);
+  });
+  return {q, k};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gemel, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(gemel, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_qk", &rotary_qk);
+}

@@ -1,0 +1,100 @@
+"""The fused C++ element-wise ops (RMSNorm, SiLU-and-mul, rotary) against the PyTorch code
+they replace, one op at a time and in the whole engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemel.layers import cpu_kernels, fused
+from gemel.layers.layernorm import rms_norm_llama
+from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    if not cpu_kernels.load():
+        pytest.skip("no C++ compiler for the CPU kernels")
+
+
+def _assert_close_in(dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: to rounding; bf16: equal except for rare one-unit differences, where the two
+    float32 intermediates fall on either side of a bf16 rounding boundary."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+    a, e = actual.float(), expected.float()
+    ulp = e.abs().clamp(min=2**-126) * 2**-7  # one unit in the last place of bf16, or less
+    assert bool(((a - e).abs() <= ulp).all())
+    assert (a != e).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_pytorch(dtype, rows):
+    torch.manual_seed(rows)
+    base = (torch.randn(rows, 100) * 4).to(dtype)
+    weight = (torch.randn(72) * 0.3 + 1).to(dtype)
+    x = base[:, 10:82]  # rows with a stride other than their length
+    _assert_close_in(dtype, fused.rms_norm_llama(x, weight, 1e-5), rms_norm_llama(x, weight, 1e-5))
+    zero = torch.zeros(3, 72, dtype=dtype)
+    assert bool((fused.rms_norm_llama(zero, weight, 1e-5) == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_silu_and_mul_matches_pytorch(dtype, rows):
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 96) * 5).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _assert_close_in(dtype, fused.silu_and_mul(gate_up), F.silu(gate) * up)
+    extreme = torch.tensor([[-100.0, 0.0, 100.0, 1.0, 2.0, 3.0]], dtype=dtype)  # gates, then ups
+    assert fused.silu_and_mul(extreme).float()[0].tolist() == pytest.approx([0.0, 0.0, 300.0], abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 257])
+def test_rotary_qk_matches_pytorch(dtype, tokens):
+    heads, kv_heads, dim = 6, 2, 32
+    torch.manual_seed(tokens)
+    rotary = RotaryEmbedding(dim, 4096, 10000.0, torch.device("cpu"))
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (tokens,)), dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    got_q, got_k = fused.rotary_qk(qkv, cos, sin, heads, kv_heads, dim)
+    want_q = apply_rotary(q.view(tokens, heads, dim), cos, sin)
+    want_k = apply_rotary(k.view(tokens, kv_heads, dim), cos, sin)
+    if dtype == torch.bfloat16:  # every product and sum rounded where PyTorch rounds: bitwise equal
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    else:
+        _assert_close_in(dtype, got_q, want_q)
+        _assert_close_in(dtype, got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_fused_ops_matches_pytorch_ops(tiny_llama_dir, dtype):
+    """Whole engine on the tiny Llama: the same greedy tokens with the fused ops as with the
+    PyTorch ops, logprobs to rounding (prefill and decode steps, batched and alone)."""
+    from gemel import LLM, SamplingParams
+
+    prompts = [[5, 17, 33, 90], [200, 11, 4, 4, 4, 60, 7] * 5, [150] * 12]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = []
+    for on in (False, True):
+        llm = LLM(tiny_llama_dir, dtype=dtype, num_kv_blocks=64, cpu_fused_ops=on)
+        assert llm.engine.core.runner.fused_ops is on
+        outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    tol = 1e-4 if dtype == "float32" else 0.05
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la.logprob - lb.logprob) < tol
+
+
+def test_models_without_fused_layers_keep_pytorch_ops(tiny_gemma3_dir):
+    from gemel import LLM
+
+    llm = LLM(tiny_gemma3_dir, dtype="float32", num_kv_blocks=32)
+    assert llm.engine.core.runner.fused_ops is False
