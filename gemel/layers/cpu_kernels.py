@@ -1,6 +1,6 @@
 """C++ CPU kernels, built on first use with the machine's C++ compiler and cached on disk.
 
-All under ``torch.ops.gemel``: decode attention that reads the paged KV cache in place
+All under ``torch.ops.gemel``: decode and prefill attention that read the paged KV cache in place
 (``csrc/paged_attention.cpp``), small-batch projections on a weight's own int8 groups
 (``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer dot products
 (``csrc/int4_group_mm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
@@ -105,6 +105,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("gemel::paged_decode_attention")
     def _(q, k_cache, v_cache, kv_slots, context_lens, scale, window):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("gemel::paged_prefill_attention")
+    def _(q, k_cache, v_cache, kv_slots, token_seq, context_lens, scale, window):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("gemel::int8_group_mm")

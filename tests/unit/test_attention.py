@@ -128,3 +128,47 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path, tiny_lla
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "C++ CPU kernels unavailable" in result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("dim", [64, 24])
+def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, dim):
+    """Prefill groups through the kernel: each query token against its own causal prefix, for
+    whole prompts and for chunks after a cached prefix, mixed with decodes in one step."""
+    _kernel_available()
+    torch.manual_seed(1)
+    num_kv, heads, num_slots, block = 2, 6, 2048, 16
+    k_cache = torch.randn(num_kv, num_slots, dim).to(dtype)
+    v_cache = torch.randn(num_kv, num_slots, dim).to(dtype)
+    blocks = torch.randperm(num_slots // block).tolist()
+    # (tokens already cached, new tokens): a whole prompt, a one-token prompt, chunks after a prefix
+    shapes = [(0, 37), (0, 1), (100, 20), (16, 64)]
+    rows, positions, contexts, used, row = [], [], [], 0, 0
+    for cached, new in shapes:
+        n = cached + new
+        count = -(-n // block)
+        contexts.append([b * block + i for b in blocks[used : used + count] for i in range(block)][:n])
+        used += count
+        rows.append(range(row, row + new))
+        positions.append(list(range(cached, n)))
+        row += new
+    decode_ctx = [b * block + i for b in blocks[used : used + 3] for i in range(block)][:41]
+    prefill = build_group(rows, positions, contexts, sliding_window, torch.device("cpu"))
+    decode = build_group([range(row, row + 1)], [[40]], [decode_ctx], sliding_window, torch.device("cpu"))
+    num_tokens = row + 1
+    q = torch.randn(num_tokens, heads, dim).to(dtype)
+    k_new, v_new = torch.randn(num_tokens, num_kv, dim).to(dtype), torch.randn(num_tokens, num_kv, dim).to(dtype)
+    slot_mapping = torch.tensor([c[p] for c, pos in zip(contexts, positions) for p in pos] + [decode_ctx[-1]])
+    outs = []
+    for kernel in (False, True):
+        for groups in ([prefill], [decode, prefill]):
+            tokens = prefill.token_rows.numel() if len(groups) == 1 else num_tokens
+            meta = AttentionMetadata(slot_mapping=slot_mapping[:tokens], groups=groups, num_tokens=tokens,
+                                     decode_kernel=kernel)
+            kc, vc = k_cache.clone(), v_cache.clone()
+            outs.append(paged_attention(q[:tokens], k_new[:tokens], v_new[:tokens], kc, vc, meta, scale=dim**-0.5,
+                                        use_sliding_window=sliding_window is not None).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[2], outs[0], atol=tol, rtol=tol)  # prefill alone
+    torch.testing.assert_close(outs[3], outs[1], atol=tol, rtol=tol)  # with a decode in the step

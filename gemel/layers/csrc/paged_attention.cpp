@@ -1,7 +1,8 @@
-// Decode attention over the paged KV cache, reading each sequence's keys and values where
-// they lie in the cache instead of gathering them into a padded copy first.
+// Attention over the paged KV cache, reading each sequence's keys and values where they lie
+// in the cache instead of gathering them into a padded copy first. Decode (one query per
+// sequence) and prefill (each query token of a prompt against its own causal prefix).
 //
-// One task per (sequence, KV head): the GQA query heads that share that KV head are scored
+// One task per (query token, KV head): the GQA query heads that share that KV head are scored
 // together, so each cached key and value row is read once per task. Scores, softmax and the
 // weighted sum are float32. Tasks run on PyTorch's own intra-op thread pool.
 #include <ATen/ATen.h>
@@ -230,11 +231,14 @@ inline bool weigh_values_fast(int64_t group, const float* probs, const at::BFloa
 
 #endif
 
+// One query token per row b of q. Its keys are the first context_lens[b] slots of row
+// token_seq[b] of kv_slots (row b when token_seq is null: decode, one token per sequence;
+// prefill tokens of one sequence share its row, each with its own causal length).
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* kv_slots,
-                      const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads,
-                      int64_t num_kv, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
-                      float scale, int64_t window) {
+                      const int64_t* token_seq, const int64_t* context_lens, T* out, int64_t batch,
+                      int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t num_slots,
+                      int64_t max_ctx, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv;
   at::parallel_for(0, batch * num_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), acc(group * head_dim), row(head_dim), total(group), scores;
@@ -243,7 +247,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
       const int64_t len = context_lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - start;
-      const int64_t* slots = kv_slots + b * max_ctx + start;
+      const int64_t* slots = kv_slots + (token_seq != nullptr ? token_seq[b] : b) * max_ctx + start;
       const T* q_rows = q + (b * num_heads + h * group) * head_dim;
       T* out_rows = out + (b * num_heads + h * group) * head_dim;
       if (n <= 0) {
@@ -294,12 +298,13 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   });
 }
 
-// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q); kv_slots: [B, max_ctx]
-// int64 cache slots of each sequence's positions 0..len-1; context_lens: [B] int64.
+// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q); kv_slots: [S, max_ctx]
+// int64 cache slots of each sequence's positions 0..len-1; token_seq: [B] int64 row of
+// kv_slots for each query (undefined: row b); context_lens: [B] int64 keys each query sees.
 // window > 0 restricts each query to its last `window` positions (sliding-window layers).
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& kv_slots,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
+at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& kv_slots, const c10::optional<at::Tensor>& token_seq,
+                                const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,Hq,D], caches [Hkv,S,D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
@@ -307,19 +312,38 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "kv_slots and context_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(context_lens.numel() == q.size(0), "one context length per query");
   const auto qc = q.contiguous();
   const auto slots = kv_slots.contiguous();
   const auto lens = context_lens.contiguous();
+  at::Tensor rows;
+  if (token_seq.has_value()) {
+    rows = token_seq->contiguous();
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == q.size(0), "token_seq: one int64 row per query");
+  }
   auto out = at::empty_like(qc);
   const int64_t batch = qc.size(0), num_heads = qc.size(1), head_dim = qc.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {
     decode_attention<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-                               lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads,
-                               k_cache.size(0), head_dim, k_cache.size(1), slots.size(1),
-                               static_cast<float>(scale), window);
+                               rows.defined() ? rows.data_ptr<int64_t>() : nullptr, lens.data_ptr<int64_t>(),
+                               out.data_ptr<scalar_t>(), batch, num_heads, k_cache.size(0), head_dim,
+                               k_cache.size(1), slots.size(1), static_cast<float>(scale), window);
   });
   return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& kv_slots, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
+  return paged_attention_impl(q, k_cache, v_cache, kv_slots, c10::nullopt, context_lens, scale, window);
+}
+
+// Prefill: several query tokens per sequence, each attending causally to its own prefix.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& kv_slots, const at::Tensor& token_seq,
+                                   const at::Tensor& context_lens, double scale, int64_t window) {
+  return paged_attention_impl(q, k_cache, v_cache, kv_slots, token_seq, context_lens, scale, window);
 }
 
 }  // namespace
@@ -327,6 +351,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_slots, "
         "Tensor context_lens, float scale, int window) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_slots, "
+        "Tensor token_seq, Tensor context_lens, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(gemel, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
