@@ -126,19 +126,21 @@ def build_group(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     use_sliding_window: bool = False,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [Hkv, num_slots, D]. Returns [T, Hq * D]."""
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    """q: [T, Hq, D]; k, v: [T, Hkv, D], or None when the caller has already written them
+    into the caches (``fused.rotary_q_store_kv``); caches: [Hkv, num_slots, D]. Returns [T, Hq * D]."""
+    if k is not None and v is not None:
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     num_tokens, num_heads, head_dim = q.shape
-    gqa = num_heads != k.shape[1]
+    gqa = num_heads != k_cache.shape[0]
     kernel = meta.decode_kernel
     if len(meta.groups) == 1 and meta.groups[0].valid_rows.numel() == num_tokens:
         o = _group_attention(q, k_cache, v_cache, meta.groups[0], scale, use_sliding_window, gqa, kernel)

@@ -34,3 +34,20 @@ def rotary_qk(
     """q [T, Hq, D] and k [T, Hkv, D] with the rotary embedding applied, read from the fused
     q/k/v projection's output [T, (Hq + 2 Hkv) D]."""
     return torch.ops.gemel.rotary_qk(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+def rotary_q_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """``rotary_qk`` that writes the rotated k, and v, straight into the KV cache at the
+    step's slots (caches of qkv's dtype) and returns q: no k/v tensors, no index_copy_."""
+    return torch.ops.gemel.rotary_q_store_kv(
+        qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, num_heads, num_kv_heads, head_dim
+    )

@@ -48,8 +48,13 @@ class LlamaLayer(nn.Module):
         """The same layer with the element-wise ops fused (CPU, eager; see layers/fused.py)."""
         cfg = self.cfg
         qkv = self.qkv_proj(fused.rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps))
-        q, k = fused.rotary_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if kv_cache[0].dtype == qkv.dtype:
+            q = fused.rotary_q_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
+                                        cfg.head_dim)
+            k = v = None  # already in the cache
+        else:
+            q, k = fused.rotary_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
         x = x + self.o_proj(attn)
         h = fused.rms_norm_llama(x, self.post_attn_norm, cfg.rms_norm_eps)

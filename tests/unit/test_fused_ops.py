@@ -73,6 +73,26 @@ def test_rotary_qk_matches_pytorch(dtype, tokens):
         _assert_close_in(dtype, got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_q_store_kv_writes_the_cache_as_index_copy_does(dtype):
+    heads, kv_heads, dim, tokens, num_slots = 4, 2, 32, 5, 64
+    torch.manual_seed(3)
+    rotary = RotaryEmbedding(dim, 512, 10000.0, torch.device("cpu"))
+    cos, sin = rotary.cos_sin(torch.tensor([0, 1, 2, 40, 41]), dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    slots = torch.tensor([7, 8, 9, 33, 60])
+    k_cache, v_cache = torch.randn(kv_heads, num_slots, dim).to(dtype), torch.randn(kv_heads, num_slots, dim).to(dtype)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_q, want_k = fused.rotary_qk(qkv, cos, sin, heads, kv_heads, dim)
+    want_k_cache.index_copy_(1, slots, want_k.transpose(0, 1))
+    want_v_cache.index_copy_(1, slots, qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim).transpose(0, 1))
+    q = fused.rotary_q_store_kv(qkv, cos, sin, (k_cache, v_cache), slots, heads, kv_heads, dim)
+    assert torch.equal(q, want_q)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)  # other slots untouched
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.rotary_q_store_kv(qkv, cos, sin, (k_cache, v_cache), slots + num_slots, heads, kv_heads, dim)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_fused_ops_matches_pytorch_ops(tiny_llama_dir, dtype):
     """Whole engine on the tiny Llama: the same greedy tokens with the fused ops as with the

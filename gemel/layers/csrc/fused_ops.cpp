@@ -134,9 +134,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // The half-rotation rotary embedding of q and k, read from the fused qkv projection's rows:
 // out = x * cos + cat(-x2, x1) * sin with cos/sin the [tokens, head_dim] tables of the step
 // (both halves equal), each product and the sum rounded to T as in the PyTorch version.
+// q goes to q_out [tokens, num_heads, head_dim]. k goes to k_out [tokens, num_kv_heads,
+// head_dim], or, with slots, straight into the KV cache ([num_kv_heads, num_slots, head_dim]
+// at each token's slot), and then v is copied into v_cache there too.
 template <typename T>
-void rotary_rows(const T* in, const T* cos, const T* sin, T* q, T* k, int64_t tokens, int64_t stride,
-                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, T* k_out, T* v_cache, const int64_t* slots,
+                 int64_t num_slots, int64_t tokens, int64_t stride, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim) {
   const int64_t half = head_dim / 2, heads = num_heads + num_kv_heads;
   at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -144,7 +148,10 @@ void rotary_rows(const T* in, const T* cos, const T* sin, T* q, T* k, int64_t to
       const T* s = sin + t * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
         const T* x = in + t * stride + h * head_dim;
-        T* o = h < num_heads ? q + (t * num_heads + h) * head_dim : k + (t * num_kv_heads + h - num_heads) * head_dim;
+        const int64_t kv_head = h - num_heads;
+        T* o = h < num_heads ? q_out + (t * num_heads + h) * head_dim
+               : slots != nullptr ? k_out + (kv_head * num_slots + slots[t]) * head_dim
+                                  : k_out + (t * num_kv_heads + kv_head) * head_dim;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
@@ -152,26 +159,67 @@ void rotary_rows(const T* in, const T* cos, const T* sin, T* q, T* k, int64_t to
           o[i + half] = from_f<T>(round_as<T>(x2 * to_f<T>(c[i + half])) + round_as<T>(x1 * to_f<T>(s[i + half])));
         }
       }
+      if (slots != nullptr) {
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          std::memcpy(v_cache + (h * num_slots + slots[t]) * head_dim, in + t * stride + (heads + h) * head_dim,
+                      head_dim * sizeof(T));
+      }
     }
   });
 }
 
+at::Tensor rotary_tables(const at::Tensor& table, const at::Tensor& qkv, int64_t head_dim) {
+  auto t = table.reshape({qkv.size(0), head_dim}).contiguous();
+  TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "rotary: cos/sin must have the dtype of qkv");
+  return t;
+}
+
+void check_qkv(const at::Tensor& qkv, int64_t width, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary: qkv must be [tokens, width] with contiguous rows");
+  TORCH_CHECK(qkv.size(1) >= width && head_dim % 2 == 0, "rotary: qkv too narrow or odd head size");
+}
+
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_qk: qkv must be [tokens, width] with contiguous rows");
-  TORCH_CHECK(qkv.size(1) >= (num_heads + num_kv_heads) * head_dim && head_dim % 2 == 0, "rotary_qk: qkv too narrow");
+  check_qkv(qkv, (num_heads + num_kv_heads) * head_dim, head_dim);
   const int64_t tokens = qkv.size(0);
-  const auto c = cos.reshape({tokens, head_dim}).contiguous();
-  const auto s = sin.reshape({tokens, head_dim}).contiguous();
-  TORCH_CHECK(c.scalar_type() == qkv.scalar_type() && s.scalar_type() == qkv.scalar_type(), "rotary_qk: table dtype");
+  const auto c = rotary_tables(cos, qkv, head_dim), s = rotary_tables(sin, qkv, head_dim);
   auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   auto k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_qk", [&] {
     rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
-                          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tokens, qkv.stride(0), num_heads,
-                          num_kv_heads, head_dim);
+                          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), nullptr, nullptr, 0, tokens,
+                          qkv.stride(0), num_heads, num_kv_heads, head_dim);
   });
   return {q, k};
+}
+
+// rotary_qk, with k and v written into the KV cache at slot_mapping instead of returned
+// (what paged_attention's two index_copy_ calls would do): returns q.
+at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim) {
+  check_qkv(qkv, (num_heads + 2 * num_kv_heads) * head_dim, head_dim);
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == head_dim &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "rotary_q_store_kv: caches must be contiguous [num_kv_heads, slots, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "rotary_q_store_kv: caches must have the dtype of qkv");
+  const auto slots = slot_mapping.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "rotary_q_store_kv: one int64 slot per token");
+  const int64_t num_slots = k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "rotary_q_store_kv: slot out of range");
+  const auto c = rotary_tables(cos, qkv, head_dim), s = rotary_tables(sin, qkv, head_dim);
+  auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_q_store_kv", [&] {
+    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                          q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot,
+                          num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+  });
+  return q;
 }
 
 }  // namespace
@@ -180,10 +228,13 @@ TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
+  m.def("rotary_q_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_qk", &rotary_qk);
+  m.impl("rotary_q_store_kv", &rotary_q_store_kv);
 }
