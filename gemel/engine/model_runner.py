@@ -300,7 +300,8 @@ class ModelRunner:
         group = build_group([range(b, b + 1) for b in range(batch)], [[context - 1]] * batch, slots,
                             self.sliding_window, self.device)
         meta = AttentionMetadata(slot_mapping=torch.full((batch,), context - 1, device=self.device),
-                                 groups=[group], num_tokens=batch, decode_kernel=self.decode_kernel)
+                                 groups=[group], num_tokens=batch, decode_kernel=self.decode_kernel,
+                                 fused_ops=self.fused_ops)
         ids = torch.zeros(batch, dtype=torch.long, device=self.device)
         pos = torch.full((batch,), context - 1, dtype=torch.long, device=self.device)
         self.compiled_forward(batch, ids, pos, meta, self.kv_caches)

@@ -16,7 +16,9 @@ from gemel.layers.attention import AttentionMetadata
 
 
 def use_fused(meta: AttentionMetadata) -> bool:
-    return meta.fused_ops and not torch.compiler.is_compiling()
+    # is_compiling() first: under torch.compile it is a constant True, so Dynamo never reads
+    # (and never guards on) the flag, and a step compiled at start-up stays valid.
+    return not torch.compiler.is_compiling() and meta.fused_ops
 
 
 def rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
