@@ -48,7 +48,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     num_tokens: int
-    # Plain decode groups use torch.ops.gemel.paged_decode_attention (CPU, loaded by the runner).
+    # Plain decode and prefill groups use the paged C++ kernel (CPU, loaded by the runner).
     decode_kernel: bool = False
     # The layers' RMSNorm, SiLU-and-mul and rotary run as fused C++ ops (CPU, eager steps;
     # a torch.compile'd step fuses the PyTorch versions itself). See layers/fused.py.
