@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gemel import LLM, SamplingParams
+from gemel.layers import cpu_kernels
 
 pytestmark = pytest.mark.slow  # an inductor compile takes tens of seconds on two cores
 
@@ -99,3 +100,20 @@ def test_graph_batch_sizes_cover_each_compiled_graph(tiny_llama_dir):
     auto = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=16, weight_quant="int4")
     rows = 8 if cpu_kernels.has_vnni() else 4
     assert auto.engine.core.loaded.model.layers[0].qkv_proj.packed_max_rows == rows
+
+
+def test_a_batch_size_not_warmed_up_reuses_the_start_up_graph(tiny_llama_dir):
+    """Batch 3 was not run at start-up (1 and 2 were), but the batch-2 graph is dynamic in the
+    batch size, so it must serve batch 3 without compiling again. It would recompile (tens of
+    seconds, while requests wait) if the graph guarded on a step flag that the warm-up set
+    differently from a real step, as it once did on the fused-ops flag."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    compiled = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=64, compile=True, compile_max_batch_size=3)
+    assert compiled.engine.core.runner.fused_ops == cpu_kernels.load()
+    code = type(compiled.engine.core.loaded.model).forward.__code__
+    before = len(entries(code))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    compiled.generate(prompt_token_ids=[[5, 17, 33, 90], [200, 11, 4, 4, 4, 60, 7], [150] * 12], sampling_params=params)
+    assert 3 in compiled.engine.core.runner.compiled_forward.replay  # batch 3 took the compiled path
+    assert len(entries(code)) == before
