@@ -22,7 +22,7 @@ def use_fused(meta: AttentionMetadata) -> bool:
 
 
 def rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.gemel.rms_norm(x, weight, eps, False)
+    return torch.ops.gemel.rms_norm(x, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -57,11 +57,9 @@ constexpr int64_t kGrainElements = 32768;
 inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
 
 // Llama order: normalise in float32, round to T, then multiply by the T weight (rounding
-// again). Gemma order (weight_in_float): multiply the float32 normalised value by the weight
-// (stored with the 1 added) and round once.
-template <typename T, typename W>
-void rms_norm_rows(const T* x, const W* weight, T* out, int64_t rows, int64_t dim, int64_t x_stride, float eps,
-                   bool weight_in_float) {
+// again), as layers/layernorm.py's rms_norm_llama does.
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t dim, int64_t x_stride, float eps) {
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * x_stride;
@@ -74,32 +72,20 @@ void rms_norm_rows(const T* x, const W* weight, T* out, int64_t rows, int64_t di
       }
       // In double: -ffast-math would otherwise turn 1/sqrtf into an approximate rsqrt.
       const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sum / static_cast<float>(dim) + eps)));
-      if (weight_in_float) {
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<T>(xr[i]) * inv * to_f<W>(weight[i]));
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<W>(weight[i]) * round_as<T>(to_f<T>(xr[i]) * inv));
-      }
+      for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<T>(weight[i]) * round_as<T>(to_f<T>(xr[i]) * inv));
     }
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool weight_in_float) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "rms_norm: weight must be [dim]");
-  TORCH_CHECK(weight_in_float ? weight.scalar_type() == at::kFloat || weight.scalar_type() == x.scalar_type()
-                              : weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight dtype");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight must have the dtype of x");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    if (weight.scalar_type() == at::kFloat && !std::is_same_v<scalar_t, float>) {
-      rms_norm_rows<scalar_t, float>(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), out.data_ptr<scalar_t>(),
-                                     x.size(0), x.size(1), x.stride(0), static_cast<float>(eps), weight_in_float);
-    } else {
-      rms_norm_rows<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                        x.size(0), x.size(1), x.stride(0), static_cast<float>(eps), weight_in_float);
-    }
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), x.stride(0), static_cast<float>(eps));
   });
   return out;
 }
@@ -225,7 +211,7 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
   m.def("rotary_q_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
