@@ -79,7 +79,6 @@ def build_group(
     ctx_len = torch.empty(batch, dtype=torch.long)
     valid_rows: list[int] = []
     token_rows: list[int] = []
-    token_seq: list[int] = []
     for b, (rows, pos, slots) in enumerate(zip(seq_rows, query_positions, context_slots)):
         n = len(rows)
         query_index[b, :n] = torch.as_tensor(rows, dtype=torch.long)
@@ -88,7 +87,6 @@ def build_group(
         ctx_len[b] = len(slots)
         valid_rows.extend(range(b * max_q, b * max_q + n))
         token_rows.extend(rows)
-        token_seq.extend([b] * n)
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
     qp = q_pos.unsqueeze(-1)
     mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
@@ -119,9 +117,14 @@ def build_group(
         shared_slots=torch.as_tensor(shared_slots, dtype=torch.long, device=device) if shared_slots is not None else None,
         context_lens=ctx_len.to(device),
         sliding_window=sliding_window or 0,
-        token_seq=None if is_decode else torch.as_tensor(token_seq, dtype=torch.long, device=device),
+        token_seq=None if is_decode else _sequence_of_each_token(seq_rows).to(device),
         token_context_lens=None if is_decode else (q_pos.view(-1)[valid_rows] + 1).to(device),
     )
+
+
+def _sequence_of_each_token(seq_rows: list[range]) -> torch.Tensor:
+    """[tokens] int64: b for each of sequence b's new tokens, in token_rows order."""
+    return torch.repeat_interleave(torch.arange(len(seq_rows)), torch.tensor([len(r) for r in seq_rows]))
 
 
 def paged_attention(
