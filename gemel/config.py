@@ -53,6 +53,12 @@ class EngineConfig(BaseModel):
         description="weight-only low-bit copies of the projections for small decode batches (CPU): "
         "checkpoint = the GGUF's own Q4_0/Q4_1 groups, exact; int8/int4 = re-quantised, lossy",
     )
+    int8_activations: bool = Field(
+        False,
+        description="calls with more rows than the weight-only kernels take (large decode batches, prefill) on the "
+        "checkpoint's own weight groups (GGUF Q4_0/Q4_1/Q8_0) with x rounded to int8 per group of 32, llama.cpp's "
+        "arithmetic: faster than bf16 on AVX512-VNNI CPUs without AMX, slightly different outputs (CPU)",
+    )
     packed_max_rows: int | None = Field(
         None,
         ge=0,

@@ -44,7 +44,13 @@ class EngineCore:
         if packed_rows is None:  # 8 rows where gemel's VNNI kernel will serve the 4-bit groups
             vnni = config.weight_quant != "none" and self.device.type == "cpu" and cpu_kernels.has_vnni()
             packed_rows = 8 if vnni and cpu_kernels.load() else 4
-        quantize_model_(self.loaded.model, config.weight_quant, packed_rows)
+        int8_activations = config.int8_activations and self.device.type == "cpu" and cpu_kernels.has_vnni()
+        int8_activations = int8_activations and cpu_kernels.load()
+        if config.int8_activations and not int8_activations:
+            log.warning("int8_activations needs a CPU with AVX512-VNNI and the C++ kernels; using the dense weights")
+        elif int8_activations and cpu_kernels.has_amx():
+            log.warning("int8_activations on a CPU with AMX, whose bf16 GEMMs are usually faster")
+        quantize_model_(self.loaded.model, config.weight_quant, packed_rows, int8_activations)
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)

@@ -3,7 +3,8 @@
 All under ``torch.ops.gemel``: decode and prefill attention that read the paged KV cache in place
 (``csrc/paged_attention.cpp``), small-batch projections on a weight's own int8 groups
 (``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer dot products
-(``csrc/int4_group_mm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
+(``csrc/int4_group_mm.cpp``, AVX512-VNNI), larger projections on those groups with int8
+activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
 embedding for eager steps (``csrc/fused_ops.cpp``). They are compiled into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and CPU, and cached under
@@ -46,6 +47,11 @@ def has_vnni() -> bool:
     has a plain C++ loop elsewhere, correct but slower than PyTorch's int4 kernel)."""
     flags = _cpu_flags().split()
     return "avx512_vnni" in flags and "avx512bw" in flags
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16, where oneDNN's bf16 GEMMs outrun int8_act_gemm."""
+    return "amx_bf16" in _cpu_flags().split()
 
 
 def _cache_dir() -> Path:
@@ -114,6 +120,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("gemel::int8_group_mm")
     def _(x, q, scales):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("gemel::int8_act_gemm")
+    def _(x, codes, d, low, out_features):
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("gemel::int4_group_mm")
     def _(x, packed, out_features):

@@ -1,0 +1,217 @@
+// y = x W^T for many rows of x (large decode batches, prefill), on a weight stored as groups
+// of 32 along the input dimension with one scale and one offset each (w = d * u + low,
+// u in 0..255: GGUF Q4_0/Q4_1 with u = q, Q8_0 with u = q + 128), with integer dot products
+// (AVX512-VNNI).
+//
+// This is llama.cpp's own arithmetic for such weights: x is rounded to int8 per group of 32
+// (unit max|x|/127), the 32 products of a group are integer (vpdpbusd: 64 unsigned-by-signed
+// byte products per instruction, twice bf16's vdpbf16ps) and each group's sum is scaled once.
+// The weights are the file's exact values; only x is rounded. Where a CPU has AMX, bf16
+// GEMMs are faster still, and the caller keeps them.
+//
+// Weight layout (gemel.layers.linear.pack_group_codes): output rows in blocks of 16 (the last
+// zero-padded); per block and group 8 vectors of 64 bytes, where bytes 4i..4i+3 of vector j
+// hold row i's codes 4j..4j+3, so each 32-bit lane of a dot product is one output row. The
+// scales and offsets are separate float32 tensors [blocks, groups, 16].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define GEMEL_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockRows = 16;
+constexpr int64_t kBlockBytes = kBlockRows * kGroup;  // one group's codes of one block
+constexpr int64_t kTileRows = 4;                     // rows of x per register tile
+constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
+
+// One row of x [K] -> int8 codes per group of 32 (unit max|x|/127), each group's unit, and
+// unit * (sum of the codes): the group's sum as the codes carry it, which multiplies `low`.
+template <typename T>
+void quantize_row(const T* x, int64_t in_features, int8_t* codes, float* unit, float* code_sum) {
+  for (int64_t g = 0; g < in_features / kGroup; ++g) {
+    float xg[kGroup];
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      xg[j] = static_cast<float>(x[g * kGroup + j]);
+      amax = std::max(amax, std::fabs(xg[j]));
+    }
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int32_t code = static_cast<int32_t>(std::nearbyint(xg[j] * inverse));
+      codes[g * kGroup + j] = static_cast<int8_t>(code);
+      total += code;
+    }
+    unit[g] = amax / 127.f;
+    code_sum[g] = unit[g] * static_cast<float>(total);
+  }
+}
+
+template <typename T>
+inline void store_row(T* y, const float* values, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) y[i] = static_cast<T>(values[i]);
+}
+
+#if defined(GEMEL_VNNI)
+// kRows rows of x against kBlocks blocks of 16 outputs, over all groups.
+template <int kRows, int kBlocks, typename T>
+void tile(const int8_t* codes, const float* unit, const float* code_sum, const uint8_t* w, const float* d,
+          const float* low, T* y, int64_t in_features, int64_t out_features, int64_t block) {
+  const int64_t groups = in_features / kGroup;
+  __m512 acc[kRows][kBlocks];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kBlocks; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[kRows][kBlocks];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < kGroup / 4; ++j) {
+      __m512i wv[kBlocks];
+      for (int c = 0; c < kBlocks; ++c)
+        wv[c] = _mm512_loadu_si512(w + ((block + c) * groups + g) * kBlockBytes + j * 64);
+      for (int r = 0; r < kRows; ++r) {
+        int32_t four;
+        std::memcpy(&four, codes + r * in_features + g * kGroup + j * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wv[c], xv);
+      }
+    }
+    for (int c = 0; c < kBlocks; ++c) {
+      const __m512 dv = _mm512_loadu_ps(d + ((block + c) * groups + g) * kBlockRows);
+      const __m512 lv = _mm512_loadu_ps(low + ((block + c) * groups + g) * kBlockRows);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(lv, _mm512_set1_ps(code_sum[r * groups + g]), acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < kBlocks; ++c) {
+    const int64_t n = (block + c) * kBlockRows;
+    const int64_t count = std::min<int64_t>(kBlockRows, out_features - n);
+    for (int r = 0; r < kRows; ++r) {
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(y + r * out_features + n, static_cast<__mmask16>((1u << count) - 1), acc[r][c]);
+#if defined(__AVX512BF16__)
+      } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+        _mm256_mask_storeu_epi16(y + r * out_features + n, static_cast<__mmask16>((1u << count) - 1),
+                                 (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+#endif
+      } else {
+        alignas(64) float out[kBlockRows];
+        _mm512_store_ps(out, acc[r][c]);
+        store_row(y + r * out_features + n, out, count);
+      }
+    }
+  }
+}
+
+template <int kBlocks, typename T>
+void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const uint8_t* w, const float* d,
+               const float* low, T* y, int64_t rows, int64_t in_features, int64_t out_features, int64_t block) {
+  const int64_t groups = in_features / kGroup;
+  for (int64_t m = 0; m < rows; m += kTileRows) {
+    const int8_t* c = codes + m * in_features;
+    const float *u = unit + m * groups, *s = code_sum + m * groups;
+    T* out = y + m * out_features;
+    switch (std::min<int64_t>(kTileRows, rows - m)) {
+      case 1: tile<1, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      case 2: tile<2, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      case 3: tile<3, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      default: tile<kTileRows, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+    }
+  }
+}
+#endif
+
+// Blocks [b0, b1) of the output for all rows.
+template <typename T>
+void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const uint8_t* w, const float* d,
+                 const float* low, T* y, int64_t rows, int64_t in_features, int64_t out_features, int64_t b0,
+                 int64_t b1) {
+  const int64_t groups = in_features / kGroup;
+#if defined(GEMEL_VNNI)
+  int64_t b = b0;
+  for (; b + kTileBlocks <= b1; b += kTileBlocks)
+    tile_rows<kTileBlocks, T>(codes, unit, code_sum, w, d, low, y, rows, in_features, out_features, b);
+  for (; b < b1; ++b) tile_rows<1, T>(codes, unit, code_sum, w, d, low, y, rows, in_features, out_features, b);
+#else
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t i = 0; i < kBlockRows && b * kBlockRows + i < out_features; ++i) {
+      for (int64_t m = 0; m < rows; ++m) {
+        float total = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t dot = 0;
+          for (int64_t k = 0; k < kGroup; ++k)
+            dot += static_cast<int32_t>(w[(b * groups + g) * kBlockBytes + (k / 4) * 64 + 4 * i + k % 4]) *
+                   codes[m * in_features + g * kGroup + k];
+          const int64_t at = (b * groups + g) * kBlockRows + i;
+          total += static_cast<float>(dot) * d[at] * unit[m * groups + g] + low[at] * code_sum[m * groups + g];
+        }
+        y[m * out_features + b * kBlockRows + i] = static_cast<T>(total);
+      }
+    }
+  }
+#endif
+}
+
+// x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8; d, low: [ceil(N/16), K/32, 16] float32.
+// Returns [M, out_features] in x's dtype.
+at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
+                         int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && codes.scalar_type() == at::kByte, "x [M,K], codes [B,G,512] uint8");
+  const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / kGroup;
+  const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
+  TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(codes.size(0) == blocks && codes.size(1) == groups && codes.size(2) == kBlockBytes,
+              "codes do not match x and out_features");
+  for (const auto* t : {&d, &low})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == blocks && t->size(1) == groups &&
+                    t->size(2) == kBlockRows && t->is_contiguous(),
+                "scales and offsets: float32 [blocks, groups, 16], contiguous");
+  TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
+  const auto xc = x.contiguous();
+  auto qx = at::empty({rows, in_features}, xc.options().dtype(at::kChar));
+  auto unit = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
+  auto code_sum = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
+  auto y = at::empty({rows, out_features}, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "int8_act_gemm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    int8_t* qp = qx.data_ptr<int8_t>();
+    float *up = unit.data_ptr<float>(), *sp = code_sum.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_row(xp + m * in_features, in_features, qp + m * in_features, up + m * groups, sp + m * groups);
+    });
+    const uint8_t* wp = codes.data_ptr<uint8_t>();
+    const float *dp = d.data_ptr<float>(), *lp = low.data_ptr<float>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    // Threads split the output blocks in whole register tiles.
+    const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      gemm_blocks(qp, up, sp, wp, dp, lp, yp, rows, in_features, out_features, t0 * kTileBlocks,
+                  std::min(blocks, t1 * kTileBlocks));
+    });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gemel, m) {
+  m.def("int8_act_gemm(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("int8_act_gemm", &int8_act_gemm); }

@@ -1,0 +1,104 @@
+"""int8_activations: larger projections on the checkpoint's weight groups with x rounded to
+int8 per group of 32 (``torch.ops.gemel.int8_act_gemm``), against that arithmetic written
+out in PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemel.layers import cpu_kernels
+from gemel.layers.linear import Linear, quantize_model_
+from gemel.models.weights import Int4Groups, Int8Groups
+
+
+def _int4_groups(out_f: int, in_f: int, seed: int) -> Int4Groups:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.1 + 0.01
+    low = torch.randn(out_f, in_f // 32, generator=g) * 0.1
+    return Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g), scale, low + 8 * scale)
+
+
+def _int8_groups(out_f: int, in_f: int, seed: int) -> Int8Groups:
+    g = torch.Generator().manual_seed(seed)
+    return Int8Groups(torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, generator=g),
+                      torch.rand(out_f, in_f // 32, generator=g) * 0.01)
+
+
+def _int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per group of 32 (unit max|x|/127, ties to even), times the exact weight."""
+    rows, in_f = x.shape
+    xg = x.float().view(rows, in_f // 32, 32)
+    unit = xg.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(unit > 0, torch.round(xg / torch.where(unit > 0, unit, 1)), 0)
+    return (codes * unit).view(rows, in_f) @ weight.T
+
+
+def _linear(groups: Int4Groups | Int8Groups) -> Linear:
+    lin = Linear(groups.dequantize().bfloat16())
+    if isinstance(groups, Int4Groups):
+        lin.checkpoint_int4 = lambda: groups
+    else:
+        lin.checkpoint_int8 = lambda: groups
+    return lin
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 7, 33])
+@pytest.mark.parametrize("out_f", [40, 300])
+def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_f):
+    """Every row count (tails of the 4-row tiles), output sizes off the 16-row blocks and the
+    3-block tiles, 4-bit (w = scale * q + low) and 8-bit (w = scale * q) groups; float32 x
+    gives float32 out to within summation order, and an all-zero group of x stays finite."""
+    assert cpu_kernels.load()
+    in_f = 96
+    groups = (_int4_groups if kind == "int4" else _int8_groups)(out_f, in_f, seed=rows + out_f)
+    lin = _linear(groups)
+    assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
+    x[0, 32:64] = 0.0
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f) and torch.isfinite(y).all()
+    expected = _int8_activation_product(x, groups.dequantize())
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+    # Rounding x is the only loss, and a visible one: this is not the dense product.
+    assert (y - x @ groups.dequantize().T).abs().max() > 1e-3
+    y16 = lin(x.bfloat16())
+    expected16 = _int8_activation_product(x.bfloat16(), groups.dequantize())
+    assert y16.dtype == torch.bfloat16  # rounded once, at the end: within bf16's unit of the largest output
+    torch.testing.assert_close(y16.float(), expected16, atol=expected16.abs().max().item() / 128, rtol=2**-8)
+
+
+def test_weight_only_kernels_keep_the_small_calls():
+    """With weight_quant=checkpoint, calls of up to packed_max_rows rows keep the weight-only
+    kernel (x not rounded to int8); larger ones take the int8-activation GEMM. The dense
+    weight is let go: no call uses it any more."""
+    assert cpu_kernels.load()
+    groups = _int4_groups(64, 128, seed=1)
+    model = torch.nn.Sequential(_linear(groups))
+    reference = _linear(groups)
+    reference.quantize_("checkpoint", packed_max_rows=4)
+    assert quantize_model_(model, "checkpoint", packed_max_rows=4, int8_activations=True) == 1
+    lin = model[0]
+    assert lin.weight is None and lin.checkpoint_int4 is None and lin.int8_act_out_features == 64
+    small, large = torch.randn(4, 128), torch.randn(5, 128)
+    torch.testing.assert_close(lin(small), reference(small), atol=0, rtol=0)
+    torch.testing.assert_close(lin(large), _int8_activation_product(large, groups.dequantize()), atol=1e-4, rtol=1e-4)
+
+
+def test_projections_without_checkpoint_groups_stay_dense():
+    plain = Linear(torch.randn(32, 64).bfloat16())
+    model = torch.nn.Sequential(plain)
+    quantize_model_(model, "none", packed_max_rows=4, int8_activations=True)
+    assert plain.int8_act_out_features == 0 and plain.weight is not None
+
+
+def test_compiled_graph_calls_the_kernel():
+    """torch.compile traces the op through its registered shape function and runs the kernel."""
+    assert cpu_kernels.load()
+    groups = _int8_groups(48, 64, seed=3)
+    lin = _linear(groups)
+    lin.add_int8_activation_gemm_()
+    x = torch.randn(9, 64)
+    compiled = torch.compile(lin, dynamic=True, fullgraph=True)
+    torch.testing.assert_close(compiled(x), lin(x), atol=1e-5, rtol=1e-5)
