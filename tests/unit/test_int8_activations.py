@@ -102,3 +102,16 @@ def test_compiled_graph_calls_the_kernel():
     x = torch.randn(9, 64)
     compiled = torch.compile(lin, dynamic=True, fullgraph=True)
     torch.testing.assert_close(compiled(x), lin(x), atol=1e-5, rtol=1e-5)
+
+
+def test_benchmark_configurations_load():
+    """The configuration files that docs/benchmarks.md runs are valid gemel configurations."""
+    from pathlib import Path
+
+    from gemel.config import load_config
+
+    files = sorted((Path(__file__).parents[2] / "bench" / "configs").glob("*.yaml"))
+    assert len(files) >= 2
+    for path in files:
+        config = load_config(str(path))
+        assert config.engine.num_threads == 2 and config.engine.int8_activations, path
