@@ -263,7 +263,9 @@ class ModelRunner:
 
     def enable_fused_ops(self) -> bool:
         """RMSNorm, SiLU-and-mul and rotary as fused C++ ops in eager steps (CPU, Llama-family
-        models; see layers/fused.py). Returns whether they are on."""
+        models; see layers/fused.py), and the C++ argmax for greedy sampling (CPU, any model).
+        Returns whether the fused ops are on."""
+        self.sampler.cpu_argmax = self.device.type == "cpu" and cpu_kernels.load()
         supported = getattr(self.model, "supports_fused_ops", False)
         self.fused_ops = self.device.type == "cpu" and supported and cpu_kernels.load()
         return self.fused_ops

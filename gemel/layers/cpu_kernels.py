@@ -5,7 +5,8 @@ All under ``torch.ops.gemel``: decode and prefill attention that read the paged 
 (``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer dot products
 (``csrc/int4_group_mm.cpp``, AVX512-VNNI), larger projections on those groups with int8
 activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
-embedding for eager steps (``csrc/fused_ops.cpp``). They are compiled into one library
+embedding for eager steps (``csrc/fused_ops.cpp``), and greedy sampling's argmax
+(``csrc/argmax.cpp``). They are compiled into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and CPU, and cached under
 ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`
@@ -124,6 +125,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("gemel::int8_act_gemm")
     def _(x, codes, d, low, out_features):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("gemel::argmax_rows")
+    def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)
 
     @torch.library.register_fake("gemel::int4_group_mm")
     def _(x, packed, out_features):

@@ -39,6 +39,9 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, shared_generator: torch.Generator | None = None):
         self.shared_generator = shared_generator
+        # gemel's C++ argmax for CPU logits (torch.ops.gemel.argmax_rows, same answers);
+        # set by the model runner once the kernels are built.
+        self.cpu_argmax = False
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -47,7 +50,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, batch)
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
         else:
             tokens = self._sample(logits, batch)
         token_list = tokens.tolist()
@@ -66,6 +69,11 @@ class Sampler:
                 chosen[i] = chosen_lp[i]
                 tops[i] = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids else []
         return SamplerOutput(token_list, chosen, tops)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.cpu_argmax and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0:
+            return torch.ops.gemel.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -95,7 +103,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_rows = batch.temperature < 1e-5
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = self._argmax(logits)
         probs = self.processed_probs(logits, batch)
         q = torch.empty_like(probs).exponential_(generator=self.shared_generator)
         for i, gen in enumerate(batch.generators):

@@ -1,5 +1,5 @@
-"""The fused C++ element-wise ops (RMSNorm, SiLU-and-mul, rotary) against the PyTorch code
-they replace, one op at a time and in the whole engine."""
+"""The fused C++ element-wise ops (RMSNorm, SiLU-and-mul, rotary) and the greedy argmax
+against the PyTorch code they replace, one op at a time and in the whole engine."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_engine_with_fused_ops_matches_pytorch_ops(tiny_llama_dir, dtype):
     outs = []
     for on in (False, True):
         llm = LLM(tiny_llama_dir, dtype=dtype, num_kv_blocks=64, cpu_fused_ops=on)
-        assert llm.engine.core.runner.fused_ops is on
+        assert llm.engine.core.runner.fused_ops is on and llm.engine.core.runner.sampler.cpu_argmax is on
         outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
     tol = 1e-4 if dtype == "float32" else 0.05
     for a, b in zip(*outs):
@@ -118,3 +118,24 @@ def test_models_without_fused_layers_keep_pytorch_ops(tiny_gemma3_dir):
 
     llm = LLM(tiny_gemma3_dir, dtype="float32", num_kv_blocks=32)
     assert llm.engine.core.runner.fused_ops is False
+    assert llm.engine.core.runner.sampler.cpu_argmax  # the argmax serves every model
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 100, 49152])
+def test_argmax_rows_matches_torch(vocab):
+    """The first index of the largest value (ties included), the first NaN where a row has
+    one (PyTorch ranks NaN highest), index 0 for a row of -inf; row tails off the 16-lane
+    vectors; a non-contiguous input."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = -float("inf")
+    if vocab > 1:
+        x[2, vocab // 3] = x[2, vocab - 1] = 1e9  # a tie: the first one wins
+        x[3, vocab - 1] = float("nan")
+        x[4, vocab // 2] = float("nan")
+        x[4, 0] = float("inf")
+        x[5] = 0.5  # all equal
+        x[6, vocab - 1] = 1e9  # the maximum in the last (partial) vector
+        x[7, vocab - 1] = x[7, vocab // 4] = float("inf")
+    for logits in (x, x[:, : max(1, vocab - 1)], x[::2]):
+        torch.testing.assert_close(torch.ops.gemel.argmax_rows(logits), logits.argmax(dim=-1), rtol=0, atol=0)

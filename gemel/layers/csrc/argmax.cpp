@@ -1,0 +1,79 @@
+// Greedy sampling's argmax over the vocabulary, one row per sequence, rows split over
+// PyTorch's threads. PyTorch's CPU argmax walks a row one element at a time (0.67 ms for
+// 32 rows of SmolLM2's 49,152 logits on two threads); two vector passes take a tenth of that.
+//
+// Same answer as torch.argmax: the first index of the largest value, and the first NaN where
+// a row has one (PyTorch ranks NaN above everything).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// NaN tests on the bits: the kernels are built with -ffast-math, which lets the compiler
+// assume that no float is NaN and fold std::isnan and unordered compares to false.
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu, kInfBits = 0x7F800000u;
+
+inline bool is_nan(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & kAbsMask) > kInfBits;
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = lowest;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 valid = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(lowest, valid, x + i);
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(kAbsMask));
+    nan |= _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(kInfBits));
+    best = _mm512_max_ps(best, v);
+  }
+  if (nan == 0) {
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 valid = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __mmask16 hit = _mm512_mask_cmp_ps_mask(valid, _mm512_mask_loadu_ps(lowest, valid, x + i), peak, _CMP_EQ_OQ);
+      if (hit != 0) return i + __builtin_ctz(hit);
+    }
+  }
+#endif
+  int64_t index = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (is_nan(x[i])) return i;
+    if (x[i] > x[index]) index = i;
+  }
+  return index;
+}
+
+// logits: [rows, vocab] float32 -> [rows] int64.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "argmax_rows: float32 [rows, vocab]");
+  TORCH_CHECK(logits.size(1) > 0, "argmax_rows: empty rows");
+  const auto x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * vocab, vocab);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gemel, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
