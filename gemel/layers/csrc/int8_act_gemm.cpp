@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -35,6 +34,7 @@ constexpr int64_t kBlockRows = 16;
 constexpr int64_t kBlockBytes = kBlockRows * kGroup;  // one group's codes of one block
 constexpr int64_t kTileRows = 4;                     // rows of x per register tile
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
+static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
 
 // One row of x [K] -> int8 codes per group of 32 (unit max|x|/127), each group's unit, and
 // unit * (sum of the codes): the group's sum as the codes carry it, which multiplies `low`.
