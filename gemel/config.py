@@ -40,6 +40,12 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_memory_mb: int = Field(2048, ge=1, description="memory budget for the KV cache")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_mb when set")
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto",
+        description="auto: the model's dtype; int8: each token's keys and values per KV head as int8 codes with one "
+        "float32 scale (as llama.cpp's q8_0 cache): about half the bytes, so decode attention on CPU reads half the "
+        "memory and twice the tokens fit; slightly different outputs",
+    )
     max_num_seqs: int = Field(64, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
     max_model_len: int | None = Field(None, ge=1, description="context cap; default the model's own")

@@ -54,8 +54,9 @@ class EngineCore:
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * kv_bytes_per_token(arch, self.dtype))
+            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * kv_bytes_per_token(arch, kv_dtype))
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -66,7 +67,9 @@ class EngineCore:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device, kv_dtype=kv_dtype
+        )
         if config.cpu_attention_kernel and self.device.type == "cpu":
             log.info("C++ decode attention kernel: %s", "on" if self.runner.enable_decode_kernel() else "off")
         if config.cpu_fused_ops and self.device.type == "cpu":

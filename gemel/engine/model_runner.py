@@ -15,7 +15,7 @@ import torch
 from gemel.engine.compiled_forward import CompiledForward
 from gemel.engine.scheduler import SchedulerOutput
 from gemel.engine.sequence import Sequence
-from gemel.layers import cpu_kernels
+from gemel.layers import cpu_kernels, kv_cache
 from gemel.layers.attention import AttentionMetadata, build_group
 from gemel.engine.spec_decode import verify
 from gemel.layers.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -72,7 +72,8 @@ def split_by_context(context_lens: list[int], slack: int = 256) -> list[list[int
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * torch.empty((), dtype=dtype).element_size()
+    row = kv_cache.row_width(arch.head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * arch.num_kv_heads * row
 
 
 class ModelRunner:
@@ -95,7 +96,7 @@ class ModelRunner:
         slots = num_blocks * block_size
         # Head-major ([kv_heads, slots, head_dim] per layer) so a gather of a batch's context
         # is already in the layout the attention matmuls want, with no transposing copy.
-        shape = (arch.num_kv_heads, slots, arch.head_dim)
+        shape = (arch.num_kv_heads, slots, kv_cache.row_width(arch.head_dim, self.kv_dtype))
         # Uninitialised: every slot is written before it is read, and pages are only
         # touched when first used (zeroing gigabytes up front costs seconds of start-up).
         # Slot 0 pads gathers of short contexts, so it must hold finite values. One tensor

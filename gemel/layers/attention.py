@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gemel.layers.kv_cache import dequantize_rows, is_int8, quantize_rows
+
 
 @dataclass
 class AttentionGroup:
@@ -138,10 +140,11 @@ def paged_attention(
     use_sliding_window: bool = False,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D], or None when the caller has already written them
-    into the caches (``fused.rotary_q_store_kv``); caches: [Hkv, num_slots, D]. Returns [T, Hq * D]."""
+    into the caches (``fused.rotary_q_store_kv``); caches: [Hkv, num_slots, D], or int8 rows
+    of D + 4 (``layers/kv_cache.py``). Returns [T, Hq * D]."""
     if k is not None and v is not None:
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        k_cache.index_copy_(1, meta.slot_mapping, _cache_rows(k, k_cache).transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, _cache_rows(v, v_cache).transpose(0, 1))
     num_tokens, num_heads, head_dim = q.shape
     gqa = num_heads != k_cache.shape[0]
     kernel = meta.decode_kernel
@@ -155,11 +158,26 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def _cache_rows(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New keys or values [T, Hkv, D] as the cache stores them."""
+    return quantize_rows(x) if is_int8(cache) else x.to(cache.dtype)
+
+
+def _values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows read back as [..., D] values in ``dtype``."""
+    return dequantize_rows(rows, dtype) if is_int8(rows) else rows.to(dtype)
+
+
+def _kernel_reads(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels take this cache: q's own dtype, or int8 rows."""
+    return q.dtype == cache.dtype or is_int8(cache)
+
+
 def _gather_context(cache: torch.Tensor, kv_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[Hkv, slots, D] cache -> [Hkv, B, ctx, D] context of each sequence (one index_select)."""
     batch, ctx = kv_slots.shape
     out = cache.index_select(1, kv_slots.reshape(-1)).view(cache.shape[0], batch, ctx, cache.shape[2])
-    return out.to(dtype)
+    return _values(out, dtype)
 
 
 def _decode_queries(q: torch.Tensor, group: AttentionGroup, num_kv: int) -> torch.Tensor:
@@ -184,8 +202,8 @@ def _cascade_decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale)
     qg = _decode_queries(q, group, k_cache.shape[0])  # [Hkv, B, G, D]
     num_kv, batch, heads_per_kv, head_dim = qg.shape
     num_heads = num_kv * heads_per_kv
-    ks = k_cache.index_select(1, group.shared_slots).to(q.dtype)  # [Hkv, S, D]
-    vs = v_cache.index_select(1, group.shared_slots).to(q.dtype)
+    ks = _values(k_cache.index_select(1, group.shared_slots), q.dtype)  # [Hkv, S, D]
+    vs = _values(v_cache.index_select(1, group.shared_slots), q.dtype)
     rows = qg.reshape(num_kv, batch * heads_per_kv, head_dim)
     m_s, l_s, o_s = _softmax_parts(torch.matmul(rows, ks.transpose(-1, -2)).float() * scale, vs, q.dtype)
     shape = (num_kv, batch, heads_per_kv)
@@ -205,7 +223,7 @@ def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sli
     C++ kernel, where loaded, beats both by not copying the context out of the cache."""
     if group.shared_slots is not None:
         return _cascade_decode_attention(q, k_cache, v_cache, group, scale)
-    if kernel and q.dtype == k_cache.dtype:
+    if kernel and _kernel_reads(q, k_cache):
         window = group.sliding_window if use_sliding_window else 0
         return torch.ops.gemel.paged_decode_attention(
             q[group.query_index[:, 0]], k_cache, v_cache, group.kv_slots, group.context_lens, scale, window
@@ -226,7 +244,7 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_slid
     """The group's output rows, [tokens of the group, Hq, D] in ``token_rows`` order."""
     if group.is_decode:
         return _decode_attention(q, k_cache, v_cache, group, scale, use_sliding_window, kernel)
-    if kernel and q.dtype == k_cache.dtype:
+    if kernel and _kernel_reads(q, k_cache):
         window = group.sliding_window if use_sliding_window else 0
         return torch.ops.gemel.paged_prefill_attention(
             q[group.token_rows], k_cache, v_cache, group.kv_slots, group.token_seq, group.token_context_lens,

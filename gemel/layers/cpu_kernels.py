@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _loaded: bool | None = None  # None: not tried yet
 
 
@@ -90,7 +91,7 @@ def load() -> bool:
     if _loaded is not None:
         return _loaded
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode()
+        b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / key / "gemel_cpu_kernels.so"
     try:

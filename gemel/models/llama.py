@@ -9,6 +9,7 @@ from torch import nn
 from gemel.layers import fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_llama
+from gemel.layers.kv_cache import is_int8
 from gemel.layers.linear import Linear
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from gemel.models.config import ModelArchConfig
@@ -48,7 +49,7 @@ class LlamaLayer(nn.Module):
         """The same layer with the element-wise ops fused (CPU, eager; see layers/fused.py)."""
         cfg = self.cfg
         qkv = self.qkv_proj(fused.rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps))
-        if kv_cache[0].dtype == qkv.dtype:
+        if kv_cache[0].dtype == qkv.dtype or is_int8(kv_cache[0]):
             q = fused.rotary_q_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim)
             k = v = None  # already in the cache

@@ -13,12 +13,20 @@ import torch
 from gemel.engine.model_runner import shared_prefix_len
 from gemel.layers import cpu_kernels
 from gemel.layers.attention import AttentionMetadata, build_group, paged_attention
+from gemel.layers.kv_cache import quantize_rows
 
 
-def test_cascade_equals_plain_decode_attention():
+def _cache(values: torch.Tensor, dtype: torch.dtype, kv: str) -> torch.Tensor:
+    """A cache holding values: in dtype, or (kv="int8") as int8 rows with their scales."""
+    return quantize_rows(values) if kv == "int8" else values.to(dtype)
+
+
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_cascade_equals_plain_decode_attention(kv):
     torch.manual_seed(0)
     num_kv, heads, dim, slots = 2, 6, 16, 512
-    k_cache, v_cache = torch.randn(num_kv, slots, dim), torch.randn(num_kv, slots, dim)
+    k_cache = _cache(torch.randn(num_kv, slots, dim), torch.float32, kv)
+    v_cache = _cache(torch.randn(num_kv, slots, dim), torch.float32, kv)
     shared = list(range(100, 164))  # 64 shared positions (four 16-slot blocks)
     tails = [list(range(300, 305)), list(range(320, 341)), list(range(400, 401))]
     contexts = [shared + t for t in tails]
@@ -56,17 +64,20 @@ def _kernel_available() -> bool:
 @pytest.mark.parametrize("sliding_window", [None, 24])
 @pytest.mark.parametrize("dim", [64, 128, 24])  # 24: not a multiple of 16, the kernel's plain C++ loops
 @pytest.mark.parametrize("group", [1, 3, 8])  # query heads per KV head
-def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim, group):
+@pytest.mark.parametrize("kv", ["model", "int8"])  # cache in the model's dtype, or int8 rows
+def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim, group, kv):
     """The C++ kernel reads the paged cache in place; it must give what the gather + matmul
     path gives: GQA, contexts of different lengths scattered over blocks, sliding window.
     bf16 with head sizes 64 and 128 takes its AVX512-BF16 path where the CPU has one (group
-    8 at head size 128: scores there, value sums in the generic loop)."""
+    8 at head size 128: scores there, value sums in the generic loop). int8 caches take
+    their AVX-512 path at head size 64 with groups up to 4 and 128 up to 2, and the generic
+    loops elsewhere."""
     _kernel_available()
     torch.manual_seed(0)
     num_kv, num_slots, block = 2, 1024, 16
     heads = group * num_kv
-    k_cache = torch.randn(num_kv, num_slots, dim).to(dtype)
-    v_cache = torch.randn(num_kv, num_slots, dim).to(dtype)
+    k_cache = _cache(torch.randn(num_kv, num_slots, dim), dtype, kv)
+    v_cache = _cache(torch.randn(num_kv, num_slots, dim), dtype, kv)
     blocks = torch.randperm(num_slots // block).tolist()
     lengths = [1, 7, 40, 129]
     contexts, used = [], 0
@@ -133,14 +144,15 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path, tiny_lla
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 24])
 @pytest.mark.parametrize("dim", [64, 24])
-def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, dim):
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, dim, kv):
     """Prefill groups through the kernel: each query token against its own causal prefix, for
     whole prompts and for chunks after a cached prefix, mixed with decodes in one step."""
     _kernel_available()
     torch.manual_seed(1)
     num_kv, heads, num_slots, block = 2, 6, 2048, 16
-    k_cache = torch.randn(num_kv, num_slots, dim).to(dtype)
-    v_cache = torch.randn(num_kv, num_slots, dim).to(dtype)
+    k_cache = _cache(torch.randn(num_kv, num_slots, dim), dtype, kv)
+    v_cache = _cache(torch.randn(num_kv, num_slots, dim), dtype, kv)
     blocks = torch.randperm(num_slots // block).tolist()
     # (tokens already cached, new tokens): a whole prompt, a one-token prompt, chunks after a prefix
     shapes = [(0, 37), (0, 1), (100, 20), (16, 64)]

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -117,38 +118,75 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// The half-rotation rotary embedding of q and k, read from the fused qkv projection's rows:
-// out = x * cos + cat(-x2, x1) * sin with cos/sin the [tokens, head_dim] tables of the step
-// (both halves equal), each product and the sum rounded to T as in the PyTorch version.
-// q goes to q_out [tokens, num_heads, head_dim]. k goes to k_out [tokens, num_kv_heads,
-// head_dim], or, with slots, straight into the KV cache ([num_kv_heads, num_slots, head_dim]
-// at each token's slot), and then v is copied into v_cache there too.
-template <typename T>
-void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, T* k_out, T* v_cache, const int64_t* slots,
+// One head's half-rotation rotary embedding: o = x * cos + cat(-x2, x1) * sin, each product
+// and the sum rounded to T as in the PyTorch version. O is T, or float holding T's values.
+template <typename T, typename O>
+inline void rotate_head(const T* x, const T* c, const T* s, int64_t half, O* o) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
+    const float lo = round_as<T>(x1 * to_f<T>(c[i])) + round_as<T>(-x2 * to_f<T>(s[i]));
+    const float hi = round_as<T>(x2 * to_f<T>(c[i + half])) + round_as<T>(x1 * to_f<T>(s[i + half]));
+    if constexpr (std::is_same_v<O, float>) {
+      o[i] = round_as<T>(lo), o[i + half] = round_as<T>(hi);
+    } else {
+      o[i] = from_f<T>(lo), o[i + half] = from_f<T>(hi);
+    }
+  }
+}
+
+// One row of an int8 KV cache (layers/kv_cache.py): codes round(x / scale) with
+// scale = max|x| / 127, then the float32 scale's 4 bytes.
+inline void quantize_kv_row(const float* x, int64_t n, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f;
+  const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < n; ++i) row[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+  std::memcpy(row + n, &scale, sizeof(scale));
+}
+
+// The rotary embedding of q and k, read from the fused qkv projection's rows (cos/sin: the
+// [tokens, head_dim] tables of the step, both halves equal). q goes to q_out [tokens,
+// num_heads, head_dim]. k goes to k_out [tokens, num_kv_heads, head_dim], or, with slots,
+// straight into the KV cache (C = T: [num_kv_heads, num_slots, head_dim]; C = int8_t: rows of
+// head_dim + 4) at each token's slot, and then v is stored into v_cache there too.
+template <typename T, typename C = T>
+void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, C* k_out, C* v_cache, const int64_t* slots,
                  int64_t num_slots, int64_t tokens, int64_t stride, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim) {
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   const int64_t half = head_dim / 2, heads = num_heads + num_kv_heads;
+  const int64_t row = kInt8Cache ? head_dim + 4 : head_dim;
   at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t t0, int64_t t1) {
+    std::vector<float> values(kInt8Cache ? head_dim : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const T* c = cos + t * head_dim;
       const T* s = sin + t * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
         const T* x = in + t * stride + h * head_dim;
         const int64_t kv_head = h - num_heads;
-        T* o = h < num_heads ? q_out + (t * num_heads + h) * head_dim
-               : slots != nullptr ? k_out + (kv_head * num_slots + slots[t]) * head_dim
-                                  : k_out + (t * num_kv_heads + kv_head) * head_dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
-          o[i] = from_f<T>(round_as<T>(x1 * to_f<T>(c[i])) + round_as<T>(-x2 * to_f<T>(s[i])));
-          o[i + half] = from_f<T>(round_as<T>(x2 * to_f<T>(c[i + half])) + round_as<T>(x1 * to_f<T>(s[i + half])));
+        if (h < num_heads) {
+          rotate_head(x, c, s, half, q_out + (t * num_heads + h) * head_dim);
+        } else if (slots == nullptr) {
+          if constexpr (!kInt8Cache) rotate_head(x, c, s, half, k_out + (t * num_kv_heads + kv_head) * head_dim);
+        } else if constexpr (kInt8Cache) {
+          rotate_head(x, c, s, half, values.data());
+          quantize_kv_row(values.data(), head_dim, k_out + (kv_head * num_slots + slots[t]) * row);
+        } else {
+          rotate_head(x, c, s, half, k_out + (kv_head * num_slots + slots[t]) * row);
         }
       }
-      if (slots != nullptr) {
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          std::memcpy(v_cache + (h * num_slots + slots[t]) * head_dim, in + t * stride + (heads + h) * head_dim,
-                      head_dim * sizeof(T));
+      if (slots == nullptr) continue;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const T* v = in + t * stride + (heads + h) * head_dim;
+        C* dst = v_cache + (h * num_slots + slots[t]) * row;
+        if constexpr (kInt8Cache) {
+          for (int64_t i = 0; i < head_dim; ++i) values[i] = to_f<T>(v[i]);
+          quantize_kv_row(values.data(), head_dim, dst);
+        } else {
+          std::memcpy(dst, v, head_dim * sizeof(T));
+        }
       }
     }
   });
@@ -173,9 +211,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
   auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   auto k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_qk", [&] {
-    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
-                          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), nullptr, nullptr, 0, tokens,
-                          qkv.stride(0), num_heads, num_kv_heads, head_dim);
+    rotary_rows<scalar_t, scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                                    q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), nullptr, nullptr, 0, tokens,
+                                    qkv.stride(0), num_heads, num_kv_heads, head_dim);
   });
   return {q, k};
 }
@@ -187,11 +225,13 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
                              int64_t num_kv_heads, int64_t head_dim) {
   check_qkv(qkv, (num_heads + 2 * num_kv_heads) * head_dim, head_dim);
   const int64_t tokens = qkv.size(0);
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == head_dim &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
-              "rotary_q_store_kv: caches must be contiguous [num_kv_heads, slots, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
-              "rotary_q_store_kv: caches must have the dtype of qkv");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads &&
+                  k_cache.size(2) == (int8_cache ? head_dim + 4 : head_dim) && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "rotary_q_store_kv: caches must be contiguous [num_kv_heads, slots, head_dim] (int8: head_dim + 4)");
+  TORCH_CHECK((int8_cache || k_cache.scalar_type() == qkv.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "rotary_q_store_kv: caches must have the dtype of qkv, or be int8");
   const auto slots = slot_mapping.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "rotary_q_store_kv: one int64 slot per token");
   const int64_t num_slots = k_cache.size(1);
@@ -201,9 +241,15 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
   const auto c = rotary_tables(cos, qkv, head_dim), s = rotary_tables(sin, qkv, head_dim);
   auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_q_store_kv", [&] {
-    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
-                          q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot,
-                          num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+    if (int8_cache) {
+      rotary_rows<scalar_t, int8_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                                    q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                    slot, num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+    } else {
+      rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                            q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot,
+                            num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+    }
   });
   return q;
 }

@@ -11,8 +11,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "parallel.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -115,10 +118,36 @@ inline void weigh_values(const float* probs, const T* v_cache, const int64_t* sl
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// Fast path for bf16 caches with a head size of 64 or 128 (AVX512-BF16): the scores of 16
-// keys at a time with bf16 dot products (vdpbf16ps, float32 sums), their 16 horizontal sums
-// done together, and the value sums kept in registers rather than in memory.
+// int8 caches (layers/kv_cache.py): each row is head_dim int8 codes, then the row's float32
+// scale; the value is code * scale. Scores and sums are float32 on the decoded values.
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(scale));
+  return scale;
+}
+
+// Cache rows are fetched this many keys ahead of their use: a sequence's context lies in
+// 16-slot blocks scattered over the cache, so the hardware prefetchers see short streams
+// only, and from memory (a decode step reads every layer's cache once) a shorter distance
+// leaves the loop waiting on loads.
+constexpr int64_t kPrefetchKeys = 48;
+
+// The cache lines of one row (the first byte of each 64 and the last).
+inline void prefetch_bytes(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+  __builtin_prefetch(p + bytes - 1);
+}
+
+// A 68-byte int8 row can straddle two cache lines.
+inline void prefetch_row(const int8_t* row) { prefetch_bytes(row, 68); }
+
+#if defined(__AVX512F__)
+// 16 int8 codes as float32 lanes.
+inline __m512 codes16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // out[i] = sum of the 16 lanes of v[i].
 inline __m512 sum_lanes_of_16(const __m512* v) {
   __m512 half[8], quarter[4], eighth[2];
@@ -138,10 +167,164 @@ inline __m512 sum_lanes_of_16(const __m512* v) {
   return _mm512_permutexvar_ps(order, sums);
 }
 
+// Fast path for int8 rows with a head size of 16 * W: 16 keys at a time, each key's codes
+// converted once for all G query heads, the 16 horizontal sums of each head done together.
+template <int G, int W>
+void score_keys_int8_fast(const float* query, const int8_t* k_cache, const int8_t* v_cache, const int64_t* slots,
+                          int64_t n, float* scores) {
+  constexpr int64_t kRow = 16 * W + 4;
+  __m512 q[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) q[g][w] = _mm512_loadu_ps(query + (g * W + w) * 16);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
+    alignas(64) float scale[16];
+    __m512 dots[G][16];
+    for (int j = 0; j < 16; ++j) {
+      const int8_t* key = k_cache + slots[t0 + std::min(j, m - 1)] * kRow;
+      if (t0 + kPrefetchKeys + j < n) {  // and the values, for the pass after this one
+        prefetch_row(k_cache + slots[t0 + kPrefetchKeys + j] * kRow);
+        if (v_cache != nullptr) prefetch_row(v_cache + slots[t0 + kPrefetchKeys + j] * kRow);
+      }
+      scale[j] = row_scale(key, 16 * W);
+      __m512 x[W];
+      for (int w = 0; w < W; ++w) x[w] = codes16(key + 16 * w);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(q[g][0], x[0]);
+        for (int w = 1; w < W; ++w) acc = _mm512_fmadd_ps(q[g][w], x[w], acc);
+        dots[g][j] = acc;
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+    const __m512 scales = _mm512_load_ps(scale);
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * n + t0, valid, _mm512_mul_ps(sum_lanes_of_16(dots[g]), scales));
+  }
+}
+
+// Value sums in registers: acc[g * 16 * W + d] = sum_t probs[g * n + t] * value_t[d].
+template <int G, int W>
+void weigh_values_int8_fast(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n, float* acc) {
+  constexpr int64_t kRow = 16 * W + 4;
+  __m512 sums[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) sums[g][w] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* value = v_cache + slots[t] * kRow;
+    if (t + kPrefetchKeys < n) prefetch_row(v_cache + slots[t + kPrefetchKeys] * kRow);
+    const float scale = row_scale(value, 16 * W);
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * n + t] * scale);
+    for (int w = 0; w < W; ++w) {
+      const __m512 x = codes16(value + 16 * w);
+      for (int g = 0; g < G; ++g) sums[g][w] = _mm512_fmadd_ps(p[g], x, sums[g][w]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + (g * W + w) * 16, sums[g][w]);
+}
+
+template <int G, int W>
+inline void attend_int8(bool scores_pass, const float* in, const int8_t* cache, const int8_t* v_cache,
+                        const int64_t* slots, int64_t n, float* out) {
+  if (scores_pass) score_keys_int8_fast<G, W>(in, cache, v_cache, slots, n, out);
+  else weigh_values_int8_fast<G, W>(in, cache, slots, n, out);
+}
+
+// Dispatch for head size 64 with up to 4 query heads per KV head, and 128 with up to 2 (the
+// value sums stay in registers); false where none covers.
+inline bool attend_int8_fast(int64_t group, int64_t head_dim, bool scores_pass, const float* in,
+                             const int8_t* cache, const int8_t* v_cache, const int64_t* slots, int64_t n, float* out) {
+  if (head_dim == 64 && group >= 1 && group <= 4) {
+    switch (group) {
+      case 1: attend_int8<1, 4>(scores_pass, in, cache, v_cache, slots, n, out); break;
+      case 2: attend_int8<2, 4>(scores_pass, in, cache, v_cache, slots, n, out); break;
+      case 3: attend_int8<3, 4>(scores_pass, in, cache, v_cache, slots, n, out); break;
+      default: attend_int8<4, 4>(scores_pass, in, cache, v_cache, slots, n, out); break;
+    }
+    return true;
+  }
+  if (head_dim == 128 && group >= 1 && group <= 2) {
+    if (group == 1) attend_int8<1, 8>(scores_pass, in, cache, v_cache, slots, n, out);
+    else attend_int8<2, 8>(scores_pass, in, cache, v_cache, slots, n, out);
+    return true;
+  }
+  return false;
+}
+#endif
+
+// scores[g * n + t] = query_g . key_t (query already scaled), keys as int8 rows.
+inline void score_keys_int8(const float* query, const int8_t* k_cache, const int8_t* v_cache, const int64_t* slots,
+                            int64_t n, int64_t group, int64_t head_dim, float* scores) {
+#if defined(__AVX512F__)
+  if (attend_int8_fast(group, head_dim, true, query, k_cache, v_cache, slots, n, scores)) return;
+#endif
+  const int64_t row = head_dim + 4;
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* key = k_cache + slots[t] * row;
+    if (t + 2 < n) prefetch_row(k_cache + slots[t + 2] * row);
+    const float scale = row_scale(key, head_dim);
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = query + g * head_dim;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), codes16(key + d), acc);
+        scores[g * n + t] = _mm512_reduce_add_ps(acc) * scale;
+      }
+      continue;
+    }
+#endif
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = query + g * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+      scores[g * n + t] = dot * scale;
+    }
+  }
+}
+
+// acc[g * head_dim + d] += sum_t probs[g * n + t] * value_t[d], values as int8 rows.
+inline void weigh_values_int8(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n,
+                              int64_t group, int64_t head_dim, float* acc) {
+#if defined(__AVX512F__)
+  if (attend_int8_fast(group, head_dim, false, probs, v_cache, nullptr, slots, n, acc)) return;
+#endif
+  const int64_t row = head_dim + 4;
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* value = v_cache + slots[t] * row;
+    if (t + 2 < n) prefetch_row(v_cache + slots[t + 2] * row);
+    const float scale = row_scale(value, head_dim);
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0) {
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const __m512 v = codes16(value + d);
+        for (int64_t g = 0; g < group; ++g) {
+          float* a = acc + g * head_dim + d;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[g * n + t] * scale), v, _mm512_loadu_ps(a)));
+        }
+      }
+      continue;
+    }
+#endif
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = probs[g * n + t] * scale;
+      float* a = acc + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(value[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Fast path for bf16 caches with a head size of 64 or 128 (AVX512-BF16): the scores of 16
+// keys at a time with bf16 dot products (vdpbf16ps, float32 sums), their 16 horizontal sums
+// done together, and the value sums kept in registers rather than in memory.
 // scores[g * n + t] = scale * (query_g . key_t), G query heads, head size 32 * W.
 template <int G, int W>
-void score_keys_bf16(const at::BFloat16* q_rows, const at::BFloat16* k_cache, const int64_t* slots, int64_t n,
-                     float scale, float* scores) {
+void score_keys_bf16(const at::BFloat16* q_rows, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                     const int64_t* slots, int64_t n, float scale, float* scores) {
   __m512bh query[G][W];
   for (int g = 0; g < G; ++g)
     for (int w = 0; w < W; ++w)
@@ -151,7 +334,10 @@ void score_keys_bf16(const at::BFloat16* q_rows, const at::BFloat16* k_cache, co
     const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
     const at::BFloat16* keys[16];
     for (int j = 0; j < 16; ++j) keys[j] = k_cache + slots[t0 + std::min(j, m - 1)] * 32 * W;
-    if (t0 + 16 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t0 + 16] * 32 * W), _MM_HINT_T0);
+    for (int j = 0; j < 16 && t0 + kPrefetchKeys + j < n; ++j) {  // and the values, for the next pass
+      prefetch_bytes(k_cache + slots[t0 + kPrefetchKeys + j] * 32 * W, 64 * W);
+      prefetch_bytes(v_cache + slots[t0 + kPrefetchKeys + j] * 32 * W, 64 * W);
+    }
     const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
     for (int g = 0; g < G; ++g) {
       __m512 dots[16];
@@ -174,7 +360,7 @@ void weigh_values_bf16(const float* probs, const at::BFloat16* v_cache, const in
     for (int v = 0; v < V; ++v) sums[g][v] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     const at::BFloat16* value = v_cache + slots[t] * 16 * V;
-    if (t + 2 < n) _mm_prefetch(reinterpret_cast<const char*>(v_cache + slots[t + 2] * 16 * V), _MM_HINT_T0);
+    if (t + kPrefetchKeys < n) prefetch_bytes(v_cache + slots[t + kPrefetchKeys] * 16 * V, 32 * V);
     __m512 p[G];
     for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * n + t]);
     for (int v = 0; v < V; ++v) {
@@ -188,24 +374,25 @@ void weigh_values_bf16(const float* probs, const at::BFloat16* v_cache, const in
 
 // Dispatch to the instantiations above; false where none covers (group, head_dim).
 template <int G>
-bool score_keys_fast_g(const at::BFloat16* q_rows, const at::BFloat16* k_head, const int64_t* slots, int64_t n,
-                       int64_t head_dim, float scale, float* scores) {
-  if (head_dim == 64) return score_keys_bf16<G, 2>(q_rows, k_head, slots, n, scale, scores), true;
-  if (head_dim == 128) return score_keys_bf16<G, 4>(q_rows, k_head, slots, n, scale, scores), true;
+bool score_keys_fast_g(const at::BFloat16* q_rows, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                       const int64_t* slots, int64_t n, int64_t head_dim, float scale, float* scores) {
+  if (head_dim == 64) return score_keys_bf16<G, 2>(q_rows, k_head, v_head, slots, n, scale, scores), true;
+  if (head_dim == 128) return score_keys_bf16<G, 4>(q_rows, k_head, v_head, slots, n, scale, scores), true;
   return false;
 }
 
 inline bool score_keys_fast(int64_t group, const at::BFloat16* q_rows, const at::BFloat16* k_head,
-                            const int64_t* slots, int64_t n, int64_t head_dim, float scale, float* scores) {
+                            const at::BFloat16* v_head, const int64_t* slots, int64_t n, int64_t head_dim, float scale,
+                            float* scores) {
   switch (group) {
-    case 1: return score_keys_fast_g<1>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 2: return score_keys_fast_g<2>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 3: return score_keys_fast_g<3>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 4: return score_keys_fast_g<4>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 5: return score_keys_fast_g<5>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 6: return score_keys_fast_g<6>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 7: return score_keys_fast_g<7>(q_rows, k_head, slots, n, head_dim, scale, scores);
-    case 8: return score_keys_fast_g<8>(q_rows, k_head, slots, n, head_dim, scale, scores);
+    case 1: return score_keys_fast_g<1>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 2: return score_keys_fast_g<2>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 3: return score_keys_fast_g<3>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 4: return score_keys_fast_g<4>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 5: return score_keys_fast_g<5>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 6: return score_keys_fast_g<6>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 7: return score_keys_fast_g<7>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
+    case 8: return score_keys_fast_g<8>(q_rows, k_head, v_head, slots, n, head_dim, scale, scores);
     default: return false;
   }
 }
@@ -233,72 +420,81 @@ inline bool weigh_values_fast(int64_t group, const float* probs, const at::BFloa
 
 // One query token per row b of q. Its keys are the first context_lens[b] slots of row
 // token_seq[b] of kv_slots (row b when token_seq is null: decode, one token per sequence;
-// prefill tokens of one sequence share its row, each with its own causal length).
-template <typename T>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* kv_slots,
+// prefill tokens of one sequence share its row, each with its own causal length). The cache
+// holds T, or (C = int8_t) int8 rows of head_dim + 4.
+template <typename T, typename C = T>
+void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int64_t* kv_slots,
                       const int64_t* token_seq, const int64_t* context_lens, T* out, int64_t batch,
                       int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t num_slots,
                       int64_t max_ctx, float scale, int64_t window) {
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   const int64_t group = num_heads / num_kv;
-  at::parallel_for(0, batch * num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), row(head_dim), total(group), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv, h = task % num_kv;
-      const int64_t len = context_lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
-      const int64_t* slots = kv_slots + (token_seq != nullptr ? token_seq[b] : b) * max_ctx + start;
-      const T* q_rows = q + (b * num_heads + h * group) * head_dim;
-      T* out_rows = out + (b * num_heads + h * group) * head_dim;
-      if (n <= 0) {
-        std::fill(out_rows, out_rows + group * head_dim, T(0));
-        continue;
-      }
-      scores.resize(group * n);
-      // Scores: one pass over the keys, every query head of the group per key.
-      const T* k_head = k_cache + h * num_slots * head_dim;
-      const T* v_head = v_cache + h * num_slots * head_dim;
-      bool scored = false, weighed = false;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>)
-        scored = score_keys_fast(group, q_rows, k_head, slots, n, head_dim, scale, scores.data());
-#endif
-      if (!scored) {
-        row_to_float(q_rows, query.data(), group * head_dim);
-        for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
-        score_keys(query.data(), k_head, slots, n, group, head_dim, scores.data(), row.data());
-      }
-      // Softmax per query head (unnormalised; divided out at the end).
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float peak = s[0];
-#pragma omp simd reduction(max : peak)
-        for (int64_t t = 1; t < n; ++t) peak = std::max(peak, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - peak);  // vectorised by libmvec (built with -ffast-math)
-          sum += s[t];
-        }
-        total[g] = sum;
-      }
-      // Weighted sum of the values: one pass over the values.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>)
-        weighed = weigh_values_fast(group, scores.data(), v_head, slots, n, head_dim, acc.data());
-#endif
-      if (!weighed) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        weigh_values(scores.data(), v_head, slots, n, group, head_dim, acc.data(), row.data());
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);
+  const int64_t row_width = kInt8Cache ? head_dim + 4 : head_dim;
+  gemel::parallel_items(batch * num_kv, [&](int64_t task) {
+    thread_local std::vector<float> query, acc, row, total, scores;
+    query.resize(group * head_dim), acc.resize(group * head_dim), row.resize(head_dim), total.resize(group);
+    const int64_t b = task / num_kv, h = task % num_kv;
+    const int64_t len = context_lens[b];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t n = len - start;
+    const int64_t* slots = kv_slots + (token_seq != nullptr ? token_seq[b] : b) * max_ctx + start;
+    const T* q_rows = q + (b * num_heads + h * group) * head_dim;
+    T* out_rows = out + (b * num_heads + h * group) * head_dim;
+    if (n <= 0) {
+      std::fill(out_rows, out_rows + group * head_dim, T(0));
+      return;
     }
+    scores.resize(group * n);
+    // Scores: one pass over the keys, every query head of the group per key.
+    const C* k_head = k_cache + h * num_slots * row_width;
+    const C* v_head = v_cache + h * num_slots * row_width;
+    bool scored = false, weighed = false;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16> && !kInt8Cache)
+      scored = score_keys_fast(group, q_rows, k_head, v_head, slots, n, head_dim, scale, scores.data());
+#endif
+    if (!scored) {
+      row_to_float(q_rows, query.data(), group * head_dim);
+      for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
+      if constexpr (kInt8Cache)
+        score_keys_int8(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data());
+      else
+        score_keys(query.data(), k_head, slots, n, group, head_dim, scores.data(), row.data());
+    }
+    // Softmax per query head (unnormalised; divided out at the end).
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * n;
+      float peak = s[0];
+#pragma omp simd reduction(max : peak)
+      for (int64_t t = 1; t < n; ++t) peak = std::max(peak, s[t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - peak);  // vectorised by libmvec (built with -ffast-math)
+        sum += s[t];
+      }
+      total[g] = sum;
+    }
+    // Weighted sum of the values: one pass over the values.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16> && !kInt8Cache)
+      weighed = weigh_values_fast(group, scores.data(), v_head, slots, n, head_dim, acc.data());
+#endif
+    if (!weighed) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if constexpr (kInt8Cache)
+        weigh_values_int8(scores.data(), v_head, slots, n, group, head_dim, acc.data());
+      else
+        weigh_values(scores.data(), v_head, slots, n, group, head_dim, acc.data(), row.data());
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);
   });
 }
 
-// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q); kv_slots: [S, max_ctx]
+// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q), or int8 [Hkv, slots,
+// D + 4] (layers/kv_cache.py); kv_slots: [S, max_ctx]
 // int64 cache slots of each sequence's positions 0..len-1; token_seq: [B] int64 row of
 // kv_slots for each query (undefined: row b); context_lens: [B] int64 keys each query sees.
 // window > 0 restricts each query to its last `window` positions (sliding-window layers).
@@ -306,8 +502,11 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& kv_slots, const c10::optional<at::Tensor>& token_seq,
                                 const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,Hq,D], caches [Hkv,S,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8_cache || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must have q's dtype, or be int8");
+  TORCH_CHECK(k_cache.size(2) == (int8_cache ? q.size(2) + 4 : q.size(2)) && v_cache.sizes() == k_cache.sizes(),
+              "cache rows must be head_dim wide (int8: head_dim + 4)");
   TORCH_CHECK(kv_slots.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "kv_slots and context_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
@@ -323,12 +522,20 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, 
   }
   auto out = at::empty_like(qc);
   const int64_t batch = qc.size(0), num_heads = qc.size(1), head_dim = qc.size(2);
+  const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {
-    decode_attention<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                               v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-                               rows.defined() ? rows.data_ptr<int64_t>() : nullptr, lens.data_ptr<int64_t>(),
-                               out.data_ptr<scalar_t>(), batch, num_heads, k_cache.size(0), head_dim,
-                               k_cache.size(1), slots.size(1), static_cast<float>(scale), window);
+    if (int8_cache) {
+      decode_attention<scalar_t, int8_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(),
+                                         v_cache.data_ptr<int8_t>(), slots.data_ptr<int64_t>(), row_of,
+                                         lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads,
+                                         k_cache.size(0), head_dim, k_cache.size(1), slots.size(1),
+                                         static_cast<float>(scale), window);
+    } else {
+      decode_attention<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                 slots.data_ptr<int64_t>(), row_of, lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                 batch, num_heads, k_cache.size(0), head_dim, k_cache.size(1), slots.size(1),
+                                 static_cast<float>(scale), window);
+    }
   });
   return out;
 }
