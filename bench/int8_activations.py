@@ -19,9 +19,9 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 
 from gemel import LLM, SamplingParams
+from gemel.benchmark.quality import forced_scores, reference_cases
 from gemel.layers import cpu_kernels
 from gemel.layers.linear import pack_group_codes
 
@@ -83,25 +83,14 @@ def engine_steps(threads: int) -> None:
 
 
 def quality() -> None:
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     reference = LLM("smollm2-135m-instruct", dtype="float32")
-    cases = []
-    for prompt in PROMPTS:
-        out = reference.chat([[{"role": "user", "content": prompt}]], sampling_params=params)[0]
-        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        start = len(out.prompt_token_ids) - 1
-        cases.append((tokens, start, reference.engine.core.prompt_logits(tokens)[start:-1].float()))
+    cases = reference_cases(reference, PROMPTS)
     del reference
     print(f"\n{'model':>24} {'top-1 agreement':>15} {'mean KL':>9}   (teacher-forced against float32)")
     for name, kwargs in (("bf16", {}), ("bf16 + int8_activations", {"int8_activations": True})):
         llm = LLM("smollm2-135m-instruct", dtype="bfloat16", **kwargs)
-        agree = kl = count = 0
-        for tokens, start, ref in cases:
-            logits = llm.engine.core.prompt_logits(tokens)[start:-1].float()
-            agree += (logits.argmax(-1) == ref.argmax(-1)).sum().item()
-            kl += F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
-            count += len(ref)
-        print(f"{name:>24} {agree / count:15.3f} {kl / count:9.5f}")
+        agree, kl = forced_scores(llm, cases)
+        print(f"{name:>24} {agree:15.3f} {kl:9.5f}")
         del llm
 
 
