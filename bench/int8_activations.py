@@ -21,18 +21,11 @@ import time
 import torch
 
 from gemel import LLM, SamplingParams
-from gemel.benchmark.quality import forced_scores, reference_cases
+from gemel.benchmark.quality import print_forced_table
 from gemel.layers import cpu_kernels
 from gemel.layers.linear import pack_group_codes
 
 SHAPES = [(32, 576, 960), (32, 576, 576), (32, 576, 3072), (32, 1536, 576), (32, 576, 49152), (512, 576, 3072)]
-PROMPTS = [
-    "What is the capital of France?", "Name a colour.", "Count to five.", "Say hello in German.",
-    "Explain photosynthesis in one sentence.", "Write a haiku about the sea.", "What is 12 times 7?",
-    "Give me a tip for learning Python.", "Who wrote Hamlet?", "Describe a cat.", "List three fruits.",
-    "Why is the sky blue?", "Tell me a joke.", "What is a prime number?", "How do planes fly?",
-    "Translate 'thank you' to French.",
-]
 
 
 def median_time(fn, iters: int) -> float:
@@ -83,15 +76,7 @@ def engine_steps(threads: int) -> None:
 
 
 def quality() -> None:
-    reference = LLM("smollm2-135m-instruct", dtype="float32")
-    cases = reference_cases(reference, PROMPTS)
-    del reference
-    print(f"\n{'model':>24} {'top-1 agreement':>15} {'mean KL':>9}   (teacher-forced against float32)")
-    for name, kwargs in (("bf16", {}), ("bf16 + int8_activations", {"int8_activations": True})):
-        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", **kwargs)
-        agree, kl = forced_scores(llm, cases)
-        print(f"{name:>24} {agree:15.3f} {kl:9.5f}")
-        del llm
+    print_forced_table("smollm2-135m-instruct", [("bf16", {}), ("bf16 + int8_activations", {"int8_activations": True})])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,15 +21,8 @@ import time
 import torch
 
 from gemel import LLM, SamplingParams
-from gemel.benchmark.quality import forced_scores, reference_cases
+from gemel.benchmark.quality import print_forced_table
 
-PROMPTS = [
-    "What is the capital of France?", "Name a colour.", "Count to five.", "Say hello in German.",
-    "Explain photosynthesis in one sentence.", "Write a haiku about the sea.", "What is 12 times 7?",
-    "Give me a tip for learning Python.", "Who wrote Hamlet?", "Describe a cat.", "List three fruits.",
-    "Why is the sky blue?", "Tell me a joke.", "What is a prime number?", "How do planes fly?",
-    "Translate 'thank you' to French.",
-]
 
 
 def decode_steps(threads: int, batch: int, steps: int, window: int) -> None:
@@ -60,10 +53,6 @@ def decode_steps(threads: int, batch: int, steps: int, window: int) -> None:
 
 
 def quality() -> None:
-    reference = LLM("smollm2-135m-instruct", dtype="float32")
-    cases = reference_cases(reference, PROMPTS)
-    del reference
-    print(f"\n{'model':>38} {'top-1 agreement':>15} {'mean KL':>9}   (teacher-forced against float32)")
     variants = [
         ("bf16", {}),
         ("bf16 + int8 KV cache", {"kv_cache_dtype": "int8"}),
@@ -71,11 +60,7 @@ def quality() -> None:
         ("bf16 + int8_activations + int8 KV cache",
          {"weight_quant": "checkpoint", "int8_activations": True, "kv_cache_dtype": "int8"}),
     ]
-    for name, kwargs in variants:
-        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", **kwargs)
-        agree, kl = forced_scores(llm, cases)
-        print(f"{name:>38} {agree:15.3f} {kl:9.5f}")
-        del llm
+    print_forced_table("smollm2-135m-instruct", variants)
 
 
 def main(argv: list[str] | None = None) -> int:

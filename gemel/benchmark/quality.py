@@ -15,6 +15,15 @@ import torch
 import torch.nn.functional as F
 
 
+CHAT_PROMPTS = [
+    "What is the capital of France?", "Name a colour.", "Count to five.", "Say hello in German.",
+    "Explain photosynthesis in one sentence.", "Write a haiku about the sea.", "What is 12 times 7?",
+    "Give me a tip for learning Python.", "Who wrote Hamlet?", "Describe a cat.", "List three fruits.",
+    "Why is the sky blue?", "Tell me a joke.", "What is a prime number?", "How do planes fly?",
+    "Translate 'thank you' to French.",
+]
+
+
 @dataclass
 class ForcedCase:
     tokens: list[int]  # prompt + the reference's continuation
@@ -46,3 +55,19 @@ def forced_scores(llm, cases: list[ForcedCase]) -> tuple[float, float]:
         kl += F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
         count += len(ref)
     return agree / count, kl / count
+
+
+def print_forced_table(model: str, variants: list[tuple[str, dict]], prompts: list[str] = CHAT_PROMPTS) -> None:
+    """Score each (name, LLM keyword arguments) bf16 variant of ``model`` against float32, one table."""
+    from gemel import LLM
+
+    reference = LLM(model, dtype="float32")
+    cases = reference_cases(reference, prompts)
+    del reference
+    width = max(len(name) for name, _ in variants)
+    print(f"\n{'model':>{width}} {'top-1 agreement':>15} {'mean KL':>9}   (teacher-forced against float32)")
+    for name, kwargs in variants:
+        llm = LLM(model, dtype="bfloat16", **kwargs)
+        agree, kl = forced_scores(llm, cases)
+        print(f"{name:>{width}} {agree:15.3f} {kl:9.5f}")
+        del llm

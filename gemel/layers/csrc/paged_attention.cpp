@@ -264,17 +264,6 @@ inline void score_keys_int8(const float* query, const int8_t* k_cache, const int
     const int8_t* key = k_cache + slots[t] * row;
     if (t + 2 < n) prefetch_row(k_cache + slots[t + 2] * row);
     const float scale = row_scale(key, head_dim);
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = query + g * head_dim;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), codes16(key + d), acc);
-        scores[g * n + t] = _mm512_reduce_add_ps(acc) * scale;
-      }
-      continue;
-    }
-#endif
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = query + g * head_dim;
       float dot = 0.f;
@@ -296,18 +285,6 @@ inline void weigh_values_int8(const float* probs, const int8_t* v_cache, const i
     const int8_t* value = v_cache + slots[t] * row;
     if (t + 2 < n) prefetch_row(v_cache + slots[t + 2] * row);
     const float scale = row_scale(value, head_dim);
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0) {
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        const __m512 v = codes16(value + d);
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = acc + g * head_dim + d;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[g * n + t] * scale), v, _mm512_loadu_ps(a)));
-        }
-      }
-      continue;
-    }
-#endif
     for (int64_t g = 0; g < group; ++g) {
       const float p = probs[g * n + t] * scale;
       float* a = acc + g * head_dim;
