@@ -360,3 +360,28 @@ def test_poisson_rate_and_failures():
         r = serve.execute(_args(stub.url, "--num-prompts", "3", "--num-warmups", "0"))
     assert r["completed"] == 0 and r["failed"] == 3 and "HTTP 500" in r["errors"][0]
     assert not math.isnan(r["mean_ttft_ms"])
+
+
+def test_sse_data_across_network_chunks():
+    """Events split anywhere by the network, long lines and CRLF endings all parse."""
+
+    class Body:
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+        async def iter_any(self):
+            for b in self.blocks:
+                yield b
+
+    class Resp:
+        def __init__(self, blocks):
+            self.content = Body(blocks)
+
+    long = json.dumps({"choices": [{"text": "x" * 200_000}]}).encode()
+    raw = b"data: {\"a\": 1}\r\n\r\n: comment\n\ndata: " + long + b"\n\ndata: [DONE]"
+    blocks = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+
+    async def collect():
+        return [d async for d in serve._sse_data(Resp(blocks))]
+
+    assert asyncio.run(collect()) == [b'{"a": 1}', long, b"[DONE]"]
