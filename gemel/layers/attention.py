@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -75,20 +76,24 @@ def build_group(
     batch = len(seq_rows)
     max_q = max(len(r) for r in seq_rows)
     max_ctx = max(len(c) for c in context_slots)
-    query_index = torch.zeros(batch, max_q, dtype=torch.long)
-    kv_slots = torch.zeros(batch, max_ctx, dtype=torch.long)
-    q_pos = torch.full((batch, max_q), -1, dtype=torch.long)
-    ctx_len = torch.empty(batch, dtype=torch.long)
+    # Filled in numpy, a row at a time, and handed to torch once: a tensor per row costs
+    # microseconds each, which at batch 32 added up to half a millisecond a step.
+    query_index_np = np.zeros((batch, max_q), dtype=np.int64)
+    kv_slots_np = np.zeros((batch, max_ctx), dtype=np.int64)
+    q_pos_np = np.full((batch, max_q), -1, dtype=np.int64)
+    ctx_len_np = np.empty(batch, dtype=np.int64)
     valid_rows: list[int] = []
     token_rows: list[int] = []
     for b, (rows, pos, slots) in enumerate(zip(seq_rows, query_positions, context_slots)):
         n = len(rows)
-        query_index[b, :n] = torch.as_tensor(rows, dtype=torch.long)
-        q_pos[b, :n] = torch.as_tensor(pos, dtype=torch.long)
-        kv_slots[b, : len(slots)] = torch.as_tensor(slots, dtype=torch.long)
-        ctx_len[b] = len(slots)
+        query_index_np[b, :n] = rows
+        q_pos_np[b, :n] = pos
+        kv_slots_np[b, : len(slots)] = slots
+        ctx_len_np[b] = len(slots)
         valid_rows.extend(range(b * max_q, b * max_q + n))
         token_rows.extend(rows)
+    query_index, kv_slots = torch.from_numpy(query_index_np), torch.from_numpy(kv_slots_np)
+    q_pos, ctx_len = torch.from_numpy(q_pos_np), torch.from_numpy(ctx_len_np)
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
     qp = q_pos.unsqueeze(-1)
     mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
