@@ -227,16 +227,21 @@ def pack_group_codes(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
     """Weight groups ``w = scale * codes + low`` (codes uint8 [out, in], scale and low
     [out, in / 32]) in the layout of ``torch.ops.gemel.int8_act_gemm`` (see its source): rows
     in blocks of 16; per block and group 8 vectors of 64 bytes whose 32-bit lanes are the 16
-    rows, each lane 4 consecutive codes; scale and low as float32 [blocks, groups, 16]."""
+    rows, each lane 4 consecutive codes; scale and low as float32 [blocks, groups, 16].
+    Codes that all fit in 4 bits are stored two a byte (vectors 0-3 in the low nibbles, 4-7
+    in the high ones): half the bytes to stream per step."""
     out_features, in_features = codes.shape
     num_groups, blocks = in_features // 32, -(-out_features // 16)
     pad = blocks * 16 - out_features
     packed = F.pad(codes, (0, 0, 0, pad)).view(blocks, 16, num_groups, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = packed.reshape(blocks, num_groups, 512)
+    if int(codes.max()) < 16:
+        packed = packed[..., :256] | (packed[..., 256:] << 4)
 
     def by_block(t: torch.Tensor) -> torch.Tensor:
         return F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).contiguous()
 
-    return packed.reshape(blocks, num_groups, 512).contiguous(), by_block(scale), by_block(low)
+    return packed.contiguous(), by_block(scale), by_block(low)
 
 
 def _fits_float16(t: torch.Tensor) -> bool:

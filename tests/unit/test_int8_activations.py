@@ -55,6 +55,7 @@ def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_
     groups = (_int4_groups if kind == "int4" else _int8_groups)(out_f, in_f, seed=rows + out_f)
     lin = _linear(groups)
     assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
+    assert lin.act_codes.shape[-1] == (256 if kind == "int4" else 512)  # 4-bit codes two a byte
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
     x[0, 32:64] = 0.0
     y = lin(x)

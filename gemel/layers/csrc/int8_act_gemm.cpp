@@ -13,6 +13,11 @@
 // zero-padded); per block and group 8 vectors of 64 bytes, where bytes 4i..4i+3 of vector j
 // hold row i's codes 4j..4j+3, so each 32-bit lane of a dot product is one output row. The
 // scales and offsets are separate float32 tensors [blocks, groups, 16].
+//
+// 4-bit codes (Q4_0, Q4_1) are stored two to a byte: vector j < 4 of a block's group in the
+// low nibbles, vector j + 4 in the high ones (256 bytes per block and group). A decode step
+// streams every weight from memory, so half the bytes matter more than the two extra
+// instructions per vector that unpack them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +37,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
 constexpr int64_t kBlockBytes = kBlockRows * kGroup;  // one group's codes of one block
+constexpr int64_t kNibbleBlockBytes = kBlockBytes / 2;  // the same, two 4-bit codes a byte
 constexpr int64_t kTileRows = 4;                     // rows of x per register tile
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
 static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
@@ -66,7 +72,7 @@ inline void store_row(T* y, const float* values, int64_t count) {
 
 #if defined(GEMEL_VNNI)
 // kRows rows of x against kBlocks blocks of 16 outputs, over all groups.
-template <int kRows, int kBlocks, typename T>
+template <int kRows, int kBlocks, bool kNibbles, typename T>
 void tile(const int8_t* codes, const float* unit, const float* code_sum, const uint8_t* w, const float* d,
           const float* low, T* y, int64_t in_features, int64_t out_features, int64_t block) {
   const int64_t groups = in_features / kGroup;
@@ -77,15 +83,30 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const u
     __m512i dot[kRows][kBlocks];
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_setzero_si512();
-    for (int j = 0; j < kGroup / 4; ++j) {
-      __m512i wv[kBlocks];
-      for (int c = 0; c < kBlocks; ++c)
-        wv[c] = _mm512_loadu_si512(w + ((block + c) * groups + g) * kBlockBytes + j * 64);
+    constexpr int64_t kBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
+    for (int j = 0; j < (kNibbles ? kGroup / 8 : kGroup / 4); ++j) {
+      __m512i wv[kBlocks], wh[kBlocks];
+      for (int c = 0; c < kBlocks; ++c) {
+        const __m512i v = _mm512_loadu_si512(w + ((block + c) * groups + g) * kBytes + j * 64);
+        if constexpr (kNibbles) {
+          const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+          wv[c] = _mm512_and_si512(v, low_nibbles);
+          wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+        } else {
+          wv[c] = v;
+        }
+      }
       for (int r = 0; r < kRows; ++r) {
+        const int8_t* xr = codes + r * in_features + g * kGroup;
         int32_t four;
-        std::memcpy(&four, codes + r * in_features + g * kGroup + j * 4, 4);
+        std::memcpy(&four, xr + j * 4, 4);
         const __m512i xv = _mm512_set1_epi32(four);
         for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wv[c], xv);
+        if constexpr (kNibbles) {
+          std::memcpy(&four, xr + (j + 4) * 4, 4);
+          const __m512i xh = _mm512_set1_epi32(four);
+          for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wh[c], xh);
+        }
       }
     }
     for (int c = 0; c < kBlocks; ++c) {
@@ -118,7 +139,7 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const u
   }
 }
 
-template <int kBlocks, typename T>
+template <int kBlocks, bool kNibbles, typename T>
 void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const uint8_t* w, const float* d,
                const float* low, T* y, int64_t rows, int64_t in_features, int64_t out_features, int64_t block) {
   const int64_t groups = in_features / kGroup;
@@ -127,17 +148,17 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
     const float *u = unit + m * groups, *s = code_sum + m * groups;
     T* out = y + m * out_features;
     switch (std::min<int64_t>(kTileRows, rows - m)) {
-      case 1: tile<1, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
-      case 2: tile<2, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
-      case 3: tile<3, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
-      default: tile<kTileRows, kBlocks, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      case 1: tile<1, kBlocks, kNibbles, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      case 2: tile<2, kBlocks, kNibbles, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      case 3: tile<3, kBlocks, kNibbles, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
+      default: tile<kTileRows, kBlocks, kNibbles, T>(c, u, s, w, d, low, out, in_features, out_features, block); break;
     }
   }
 }
 #endif
 
 // Blocks [b0, b1) of the output for all rows.
-template <typename T>
+template <bool kNibbles, typename T>
 void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const uint8_t* w, const float* d,
                  const float* low, T* y, int64_t rows, int64_t in_features, int64_t out_features, int64_t b0,
                  int64_t b1) {
@@ -145,8 +166,8 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 #if defined(GEMEL_VNNI)
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
-    tile_rows<kTileBlocks, T>(codes, unit, code_sum, w, d, low, y, rows, in_features, out_features, b);
-  for (; b < b1; ++b) tile_rows<1, T>(codes, unit, code_sum, w, d, low, y, rows, in_features, out_features, b);
+    tile_rows<kTileBlocks, kNibbles, T>(codes, unit, code_sum, w, d, low, y, rows, in_features, out_features, b);
+  for (; b < b1; ++b) tile_rows<1, kNibbles, T>(codes, unit, code_sum, w, d, low, y, rows, in_features, out_features, b);
 #else
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t i = 0; i < kBlockRows && b * kBlockRows + i < out_features; ++i) {
@@ -154,9 +175,17 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
         float total = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           int32_t dot = 0;
-          for (int64_t k = 0; k < kGroup; ++k)
-            dot += static_cast<int32_t>(w[(b * groups + g) * kBlockBytes + (k / 4) * 64 + 4 * i + k % 4]) *
-                   codes[m * in_features + g * kGroup + k];
+          for (int64_t k = 0; k < kGroup; ++k) {
+            const int64_t vector = k / 4, lane_byte = 4 * i + k % 4;
+            int32_t u;
+            if constexpr (kNibbles) {
+              const uint8_t both = w[(b * groups + g) * kNibbleBlockBytes + (vector % 4) * 64 + lane_byte];
+              u = vector < 4 ? both & 0x0F : both >> 4;
+            } else {
+              u = w[(b * groups + g) * kBlockBytes + vector * 64 + lane_byte];
+            }
+            dot += u * codes[m * in_features + g * kGroup + k];
+          }
           const int64_t at = (b * groups + g) * kBlockRows + i;
           total += static_cast<float>(dot) * d[at] * unit[m * groups + g] + low[at] * code_sum[m * groups + g];
         }
@@ -167,7 +196,8 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 #endif
 }
 
-// x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8; d, low: [ceil(N/16), K/32, 16] float32.
+// x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
+// [ceil(N/16), K/32, 16] float32.
 // Returns [M, out_features] in x's dtype.
 at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
                          int64_t out_features) {
@@ -175,7 +205,8 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / kGroup;
   const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
   TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(codes.size(0) == blocks && codes.size(1) == groups && codes.size(2) == kBlockBytes,
+  const bool nibbles = codes.size(2) == kNibbleBlockBytes;
+  TORCH_CHECK(codes.size(0) == blocks && codes.size(1) == groups && (nibbles || codes.size(2) == kBlockBytes),
               "codes do not match x and out_features");
   for (const auto* t : {&d, &low})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == blocks && t->size(1) == groups &&
@@ -201,8 +232,12 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
     // Threads split the output blocks in whole register tiles.
     const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      gemm_blocks(qp, up, sp, wp, dp, lp, yp, rows, in_features, out_features, t0 * kTileBlocks,
-                  std::min(blocks, t1 * kTileBlocks));
+      const int64_t b0 = t0 * kTileBlocks, b1 = std::min(blocks, t1 * kTileBlocks);
+      if (nibbles) {
+        gemm_blocks<true>(qp, up, sp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+      } else {
+        gemm_blocks<false>(qp, up, sp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+      }
     });
   });
   return y;
