@@ -115,29 +115,39 @@ class MetricsObserver(EngineObserver):
     def __init__(self, metrics: GemelMetrics, model_name: str):
         self.m = metrics
         self.model = model_name
+        # Each metric's child per label values, looked up once: ``labels()`` validates and
+        # locks on every call, and the ITL histogram is observed once per generated token.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def on_iteration(self, it: IterationStats) -> None:
-        m, model = self.m, self.model
+        m, model, child = self.m, self.model, self._child
         totals = m.totals[model]
         for n in it.iteration_tokens:
-            m.iteration_tokens.labels(model).observe(n)
+            child(m.iteration_tokens, model).observe(n)
         for tenant, n in it.prompt_tokens.items():
-            m.prompt_tokens.labels(model, tenant).inc(n)
+            child(m.prompt_tokens, model, tenant).inc(n)
             totals["prompt_tokens"] += n
         for tenant, n in it.generation_tokens.items():
-            m.generation_tokens.labels(model, tenant).inc(n)
+            child(m.generation_tokens, model, tenant).inc(n)
             totals["generation_tokens"] += n
         for tenant, v in it.ttfts:
-            m.ttft.labels(model, tenant).observe(v)
+            child(m.ttft, model, tenant).observe(v)
         for tenant, v in it.itls:
-            m.itl.labels(model, tenant).observe(v)
+            child(m.itl, model, tenant).observe(v)
         for fs in it.finished:
             labels = (model, fs.tenant)
             totals["requests"] += 1
-            m.request_success.labels(*labels, fs.finish_reason).inc()
-            m.e2e.labels(*labels).observe(fs.e2e_latency_s)
-            m.req_prompt_tokens.labels(*labels).observe(fs.num_prompt_tokens)
-            m.req_generation_tokens.labels(*labels).observe(fs.num_generation_tokens)
+            child(m.request_success, *labels, fs.finish_reason).inc()
+            child(m.e2e, *labels).observe(fs.e2e_latency_s)
+            child(m.req_prompt_tokens, *labels).observe(fs.num_prompt_tokens)
+            child(m.req_generation_tokens, *labels).observe(fs.num_generation_tokens)
             for hist, value in (
                 (m.queue, fs.queue_time_s),
                 (m.prefill, fs.prefill_time_s),
@@ -146,7 +156,7 @@ class MetricsObserver(EngineObserver):
                 (m.tpot, fs.mean_time_per_output_token_s),
             ):
                 if value is not None:
-                    hist.labels(*labels).observe(value)
+                    child(hist, *labels).observe(value)
 
 
 class EngineStatsCollector(Collector):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import yaml
 
 from gemel.engine.protocol import EngineStats
-from gemel.observability.dashboard import DashboardState, percentile, static_file
+from gemel.observability.dashboard import DashboardState, percentile, recent, static_file
 from gemel.observability.stats import FinishedRequestStats, IterationStats, TokenTiming
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +34,16 @@ def test_percentile():
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
+
+
+def test_recent_samples_walk_back_from_the_newest():
+    from collections import deque
+
+    samples = deque([(float(t), float(100 - t)) for t in range(100)])
+    assert recent(samples, 95.0) == [1.0, 2.0, 3.0, 4.0, 5.0]  # t = 95..99, sorted by value
+    samples.append((93.0, 0.5))  # a little out of order (another engine's clock): still read
+    assert recent(samples, 92.5) == [0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert recent(samples, 200.0) == [] and recent(deque(), 0.0) == []
 
 
 def test_token_cursor_and_ring_buffer():

@@ -119,6 +119,12 @@ def test_metrics_observer_exports_histograms_and_counters():
     assert value(s, "gemel:iteration_tokens_total_count", model_name=MODEL) == 2
     assert value(s, "gemel:iteration_tokens_total_sum", model_name=MODEL) == 41
     assert metrics.totals[MODEL]["generation_tokens"] == 2
+    # Label children are looked up once and reused: later steps and other tenants still count.
+    obs.on_iteration(IterationStats(2.0, itls=[("a", 0.04), ("b", 0.03), ("a", 0.06)]))
+    s = samples(metrics)
+    assert value(s, "gemel:inter_token_latency_seconds_count", **lab) == 3
+    assert value(s, "gemel:inter_token_latency_seconds_sum", **lab) == pytest.approx(0.15)
+    assert value(s, "gemel:inter_token_latency_seconds_count", model_name=MODEL, tenant="b") == 1
 
 
 def fake_engine(**stats) -> SimpleNamespace:
