@@ -25,6 +25,13 @@ def rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return torch.ops.gemel.rms_norm(x, weight, eps)
 
 
+def add_rms_norm_llama(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + delta`` and its RMSNorm, in one pass: the residual add fused with the next norm."""
+    return torch.ops.gemel.add_rms_norm(x, delta, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the fused gate/up projection's output [T, 2 * I]."""
     return torch.ops.gemel.silu_and_mul(gate_up)

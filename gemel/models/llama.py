@@ -32,8 +32,6 @@ class LlamaLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         cfg = self.cfg
-        if fused.use_fused(meta):
-            return self._forward_fused(x, cos, sin, meta, kv_cache)
         h = rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps)
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -45,10 +43,20 @@ class LlamaLayer(nn.Module):
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
-    def _forward_fused(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        """The same layer with the element-wise ops fused (CPU, eager; see layers/fused.py)."""
+    def forward_fused(
+        self, x, mlp_out, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the element-wise ops fused (CPU, eager; see layers/fused.py).
+
+        ``mlp_out`` is the previous layer's MLP output (None for the first layer), not yet
+        added to the residual stream ``x``: the add is fused with this layer's input norm.
+        Returns the residual stream and this layer's MLP output, likewise pending."""
         cfg = self.cfg
-        qkv = self.qkv_proj(fused.rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps))
+        if mlp_out is None:
+            h = fused.rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps)
+        else:
+            x, h = fused.add_rms_norm_llama(x, mlp_out, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv_proj(h)
         if kv_cache[0].dtype == qkv.dtype or is_int8(kv_cache[0]):
             q = fused.rotary_q_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim)
@@ -57,9 +65,8 @@ class LlamaLayer(nn.Module):
             q, k = fused.rotary_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
-        x = x + self.o_proj(attn)
-        h = fused.rms_norm_llama(x, self.post_attn_norm, cfg.rms_norm_eps)
-        return x + self.down_proj(fused.silu_and_mul(self.gate_up_proj(h)))
+        x, h = fused.add_rms_norm_llama(x, self.o_proj(attn), self.post_attn_norm, cfg.rms_norm_eps)
+        return x, self.down_proj(fused.silu_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -88,10 +95,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if fused.use_fused(meta):
+            mlp_out = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, mlp_out = layer.forward_fused(x, mlp_out, cos, sin, meta, kv_cache)
+            return fused.add_rms_norm_llama(x, mlp_out, self.norm, self.cfg.rms_norm_eps)[1]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache)
-        if fused.use_fused(meta):
-            return fused.rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
         return rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

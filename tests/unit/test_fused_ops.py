@@ -44,6 +44,20 @@ def test_rms_norm_matches_pytorch(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_matches_pytorch(dtype, rows):
+    """The residual add (rounded as PyTorch's add) and the norm of the sum."""
+    torch.manual_seed(rows)
+    x, delta = (torch.randn(rows, 72) * 4).to(dtype), (torch.randn(rows, 72) * 2).to(dtype)
+    weight = (torch.randn(72) * 0.3 + 1).to(dtype)
+    total, normed = fused.add_rms_norm_llama(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    _assert_close_in(dtype, normed, rms_norm_llama(x + delta, weight, 1e-5))
+    zero = torch.zeros(3, 72, dtype=dtype)
+    assert bool((fused.add_rms_norm_llama(zero, zero, weight, 1e-5)[1] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 200])
 def test_silu_and_mul_matches_pytorch(dtype, rows):
     torch.manual_seed(rows)

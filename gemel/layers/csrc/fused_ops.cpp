@@ -91,6 +91,47 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// The residual add and the next RMSNorm in one pass (vLLM's fused_add_rms_norm): sum = x +
+// delta, rounded to T as PyTorch's add is, then rms_norm_llama(sum). Saves a small op and a
+// pass over the residual stream twice a layer.
+template <typename T>
+void add_rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum, T* out, int64_t rows, int64_t dim,
+                       float eps) {
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T *xr = x + r * dim, *dr = delta + r * dim;
+      T* s = sum + r * dim;
+      T* o = out + r * dim;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = round_as<T>(to_f<T>(xr[i]) + to_f<T>(dr[i]));
+        s[i] = from_f<T>(v);
+        squares += v * v;
+      }
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / static_cast<float>(dim) + eps)));
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<T>(weight[i]) * round_as<T>(to_f<T>(s[i]) * inv));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous(),
+              "add_rms_norm: x and delta must be contiguous [rows, dim] of one shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "add_rms_norm: weight must be [dim]");
+  TORCH_CHECK(delta.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x, delta and weight must share a dtype");
+  auto sum = at::empty_like(x), out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                sum.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                static_cast<float>(eps));
+  });
+  return {sum, out};
+}
+
 // out = silu(gate) * up for x = [gate | up], with F.silu's result rounded to T first.
 template <typename T>
 void silu_and_mul_rows(const T* in, T* out, int64_t rows, int64_t dim, int64_t stride) {
@@ -258,6 +299,7 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
   m.def("rotary_q_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -266,6 +308,7 @@ TORCH_LIBRARY_FRAGMENT(gemel, m) {
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_qk", &rotary_qk);
   m.impl("rotary_q_store_kv", &rotary_q_store_kv);
