@@ -66,7 +66,7 @@ class LlamaLayer(nn.Module):
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
         x, h = fused.add_rms_norm_llama(x, self.o_proj(attn), self.post_attn_norm, cfg.rms_norm_eps)
-        return x, self.down_proj(fused.silu_and_mul(self.gate_up_proj(h)))
+        return x, self.down_proj.forward_gated(self.gate_up_proj(h))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -87,6 +87,24 @@ def test_weight_only_kernels_keep_the_small_calls():
     torch.testing.assert_close(lin(large), _int8_activation_product(large, groups.dequantize()), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_input_equals_silu_and_mul_first(kind, dtype):
+    """forward_gated computes silu(gate) * up while rounding x: the same result, bit for bit,
+    as the silu_and_mul op followed by the projection; small calls keep the weight-only kernel."""
+    assert cpu_kernels.load()
+    groups = (_int4_groups if kind == "int4" else _int8_groups)(80, 64, seed=5)
+    model = torch.nn.Sequential(_linear(groups))
+    quantize_model_(model, "checkpoint", packed_max_rows=4, int8_activations=True)
+    lin = model[0]
+    for rows in (3, 33):
+        gate_up = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
+        expected = lin(torch.ops.gemel.silu_and_mul(gate_up))
+        assert torch.equal(lin.forward_gated(gate_up), expected)
+    # and it is the gated product: not the projection of the gate alone
+    assert not torch.equal(lin.forward_gated(gate_up), lin(gate_up[:, :64]))
+
+
 def test_projections_without_checkpoint_groups_stay_dense():
     plain = Linear(torch.randn(32, 64).bfloat16())
     model = torch.nn.Sequential(plain)

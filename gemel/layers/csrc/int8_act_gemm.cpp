@@ -42,15 +42,26 @@ constexpr int64_t kTileRows = 4;                     // rows of x per register t
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
 static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
 
+// Input i of a row as the GEMM sees it: x itself, or for a gated MLP's down projection (`up`
+// given) silu(x) * up, rounded as the silu_and_mul op rounds it (the SiLU to T, then the
+// product to T). Fusing it here saves that op and a pass over its output.
+template <typename T>
+inline float input_value(const T* x, const T* up, int64_t i) {
+  const float v = static_cast<float>(x[i]);
+  if (up == nullptr) return v;
+  const float silu = static_cast<float>(static_cast<T>(v / (1.f + std::exp(-v))));
+  return static_cast<float>(static_cast<T>(silu * static_cast<float>(up[i])));
+}
+
 // One row of x [K] -> int8 codes per group of 32 (unit max|x|/127), each group's unit, and
 // unit * (sum of the codes): the group's sum as the codes carry it, which multiplies `low`.
 template <typename T>
-void quantize_row(const T* x, int64_t in_features, int8_t* codes, float* unit, float* code_sum) {
+void quantize_row(const T* x, const T* up, int64_t in_features, int8_t* codes, float* unit, float* code_sum) {
   for (int64_t g = 0; g < in_features / kGroup; ++g) {
     float xg[kGroup];
     float amax = 0.f;
     for (int64_t j = 0; j < kGroup; ++j) {
-      xg[j] = static_cast<float>(x[g * kGroup + j]);
+      xg[j] = input_value(x, up, g * kGroup + j);
       amax = std::max(amax, std::fabs(xg[j]));
     }
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
@@ -198,11 +209,13 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
 // [ceil(N/16), K/32, 16] float32.
-// Returns [M, out_features] in x's dtype.
+// Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
+// the input is silu(gate) * up.
 at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
-                         int64_t out_features) {
+                         int64_t out_features, bool gated) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && codes.scalar_type() == at::kByte, "x [M,K], codes [B,G,512] uint8");
-  const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / kGroup;
+  TORCH_CHECK(!gated || x.size(1) % 2 == 0, "gated: x must be [M, 2K]");
+  const int64_t rows = x.size(0), in_features = gated ? x.size(1) / 2 : x.size(1), groups = in_features / kGroup;
   const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
   TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
   const bool nibbles = codes.size(2) == kNibbleBlockBytes;
@@ -223,8 +236,11 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
     int8_t* qp = qx.data_ptr<int8_t>();
     float *up = unit.data_ptr<float>(), *sp = code_sum.data_ptr<float>();
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        quantize_row(xp + m * in_features, in_features, qp + m * in_features, up + m * groups, sp + m * groups);
+      for (int64_t m = m0; m < m1; ++m) {
+        const scalar_t* row = xp + m * xc.size(1);
+        quantize_row(row, gated ? row + in_features : nullptr, in_features, qp + m * in_features, up + m * groups,
+                     sp + m * groups);
+      }
     });
     const uint8_t* wp = codes.data_ptr<uint8_t>();
     const float *dp = d.data_ptr<float>(), *lp = low.data_ptr<float>();
@@ -246,7 +262,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
-  m.def("int8_act_gemm(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features) -> Tensor");
+  m.def("int8_act_gemm(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("int8_act_gemm", &int8_act_gemm); }
