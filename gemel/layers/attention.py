@@ -44,6 +44,9 @@ class AttentionGroup:
     # how many keys it sees (position + 1), for the C++ kernel.
     token_seq: torch.Tensor | None = None
     token_context_lens: torch.Tensor | None = None
+    # Decode only: (first row, count) when the group's queries are consecutive rows of the
+    # step, as in a plain decode step; the kernel then reads them in place, no gather.
+    query_slice: tuple[int, int] | None = None
 
 
 @dataclass
@@ -92,6 +95,8 @@ def build_group(
         ctx_len_np[b] = len(slots)
         valid_rows.extend(range(b * max_q, b * max_q + n))
         token_rows.extend(rows)
+    first_rows = query_index_np[:, 0]
+    consecutive = max_q == 1 and bool((np.diff(first_rows) == 1).all())
     query_index, kv_slots = torch.from_numpy(query_index_np), torch.from_numpy(kv_slots_np)
     q_pos, ctx_len = torch.from_numpy(q_pos_np), torch.from_numpy(ctx_len_np)
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
@@ -126,6 +131,7 @@ def build_group(
         sliding_window=sliding_window or 0,
         token_seq=None if is_decode else _sequence_of_each_token(seq_rows).to(device),
         token_context_lens=None if is_decode else (q_pos.view(-1)[valid_rows] + 1).to(device),
+        query_slice=(int(first_rows[0]), batch) if consecutive else None,
     )
 
 
@@ -230,8 +236,9 @@ def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sli
         return _cascade_decode_attention(q, k_cache, v_cache, group, scale)
     if kernel and _kernel_reads(q, k_cache):
         window = group.sliding_window if use_sliding_window else 0
+        queries = q.narrow(0, *group.query_slice) if group.query_slice else q[group.query_index[:, 0]]
         return torch.ops.gemel.paged_decode_attention(
-            q[group.query_index[:, 0]], k_cache, v_cache, group.kv_slots, group.context_lens, scale, window
+            queries, k_cache, v_cache, group.kv_slots, group.context_lens, scale, window
         )
     batch = group.query_index.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]

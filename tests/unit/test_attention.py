@@ -100,6 +100,31 @@ def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim,
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
+def test_decode_queries_read_in_place_only_when_consecutive():
+    """A decode group over consecutive rows hands the kernel q's rows in place; any other
+    order gathers them, with the same result per sequence."""
+    _kernel_available()
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 256, 64), torch.randn(2, 256, 64)
+    contexts = [list(range(0, 20)), list(range(32, 45)), list(range(64, 100))]
+    q = torch.randn(5, 4, 64)
+    cpu = torch.device("cpu")
+
+    def run(rows, queries):
+        group = build_group([range(r, r + 1) for r in rows], [[len(c) - 1] for c in contexts], contexts, None, cpu)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([c[-1] for c in contexts]), groups=[group],
+                                 num_tokens=5, decode_kernel=True)
+        return group.query_slice, paged_attention(queries, None, None, k_cache, v_cache, meta, scale=0.125)
+
+    in_place, a = run([1, 2, 3], q)
+    shuffled = q.clone()
+    shuffled[[3, 1, 4]] = q[[1, 2, 3]]  # the same three queries at rows 3, 1, 4
+    gathered, b = run([3, 1, 4], shuffled)
+    assert in_place == (1, 3) and gathered is None
+    torch.testing.assert_close(b[[3, 1, 4]], a[[1, 2, 3]])
+    assert build_group([range(0, 2)], [[0, 1]], [[0, 1]], None, cpu).query_slice is None  # prefill
+
+
 def test_engine_with_decode_kernel_matches_torch_path(tiny_model_dir):
     """Whole engine, tiny Llama and Gemma 3 (sliding window): the same greedy tokens and
     logprobs with the C++ decode attention as with the PyTorch path."""
