@@ -124,7 +124,7 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake("gemel::int8_act_gemm")
-    def _(x, codes, d, low, out_features, gated=False):
+    def _(x, codes, d, low, out_features, gated=False, zero_point=0):
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("gemel::argmax_rows")

@@ -43,6 +43,7 @@ class Linear(nn.Module):
         # Likewise for int8 groups (GGUF Q8_0).
         self.checkpoint_int8: Callable[[], Int8Groups | None] | None = None
         self.int8_act_out_features = 0  # > 0 once add_int8_activation_gemm_() packed the groups
+        self.int8_act_zero_point = 0  # w = scale * (codes - this) when > 0 (Q4_0, Q8_0); else low is used
 
     @classmethod
     def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
@@ -93,17 +94,20 @@ class Linear(nn.Module):
             return False
         int4 = self._checkpoint_groups("checkpoint_int4")
         int8 = None if int4 is not None else self._checkpoint_groups("checkpoint_int8")
-        if int4 is not None:  # w = (q - 8) * scale + zero
+        if int4 is not None:  # w = (q - 8) * scale + zero; Q4_0 has zero = 0
             codes, scale, low = int4.q.to(torch.uint8), int4.scale.float(), int4.zero.float() - 8.0 * int4.scale.float()
+            zero_point = 8 if not bool(int4.zero.any()) else 0
         elif int8 is not None:  # w = q * scale = (q + 128) * scale - 128 * scale
             codes = (int8.q.to(torch.int16) + 128).to(torch.uint8)
             scale = int8.scale.float()
-            low = -128.0 * scale
+            low, zero_point = None, 128
         else:
             return False
         out_features = codes.shape[0]
-        self._keep(**dict(zip(("act_codes", "act_scale", "act_low"), pack_group_codes(codes, scale, low))))
+        packed = pack_group_codes(codes, scale, low, zero_point)
+        self._keep(**dict(zip(("act_codes", "act_scale", "act_low"), packed)))
         self.int8_act_out_features = out_features
+        self.int8_act_zero_point = zero_point
         return True
 
     def _checkpoint_groups(self, name: str) -> Int4Groups | Int8Groups | None:
@@ -195,7 +199,9 @@ class Linear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
             return y if self.bias is None else y + self.bias
         if self.int8_act_out_features:
-            y = torch.ops.gemel.int8_act_gemm(x, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features)
+            y = torch.ops.gemel.int8_act_gemm(
+                x, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, False, self.int8_act_zero_point
+            )
             return y if self.bias is None else y + self.bias
         if self.onednn_weight is not None and not (self.weight is not None and torch.compiler.is_compiling()):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
@@ -207,7 +213,8 @@ class Linear(nn.Module):
         op fewer a layer; other calls take the fused silu_and_mul op first."""
         if self.int8_act_out_features and not (self.quant is not None and gate_up.shape[0] <= self.packed_max_rows):
             y = torch.ops.gemel.int8_act_gemm(
-                gate_up, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, True
+                gate_up, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, True,
+                self.int8_act_zero_point,
             )
             return y if self.bias is None else y + self.bias
         return self(torch.ops.gemel.silu_and_mul(gate_up))
@@ -234,13 +241,16 @@ def pack_int4_rows(groups: Int4Groups) -> torch.Tensor:
     return torch.cat([codes, as_bytes(groups.scale), as_bytes(low)], dim=-1).contiguous()
 
 
-def pack_group_codes(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def pack_group_codes(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, zero_point: int = 0
+) -> tuple[torch.Tensor, ...]:
     """Weight groups ``w = scale * codes + low`` (codes uint8 [out, in], scale and low
     [out, in / 32]) in the layout of ``torch.ops.gemel.int8_act_gemm`` (see its source): rows
     in blocks of 16; per block and group 8 vectors of 64 bytes whose 32-bit lanes are the 16
     rows, each lane 4 consecutive codes; scale and low as float32 [blocks, groups, 16].
     Codes that all fit in 4 bits are stored two a byte (vectors 0-3 in the low nibbles, 4-7
-    in the high ones): half the bytes to stream per step."""
+    in the high ones): half the bytes to stream per step. With an integer ``zero_point`` z
+    (``w = scale * (codes - z)``: Q4_0, Q8_0) ``low`` is not needed and comes back empty."""
     out_features, in_features = codes.shape
     num_groups, blocks = in_features // 32, -(-out_features // 16)
     pad = blocks * 16 - out_features
@@ -252,7 +262,8 @@ def pack_group_codes(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
     def by_block(t: torch.Tensor) -> torch.Tensor:
         return F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).contiguous()
 
-    return packed.contiguous(), by_block(scale), by_block(low)
+    no_low = torch.empty(0, 0, 0)
+    return packed.contiguous(), by_block(scale), no_low if zero_point else by_block(low)
 
 
 def _fits_float16(t: torch.Tensor) -> bool:

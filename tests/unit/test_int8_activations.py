@@ -12,11 +12,19 @@ from gemel.layers.linear import Linear, quantize_model_
 from gemel.models.weights import Int4Groups, Int8Groups
 
 
-def _int4_groups(out_f: int, in_f: int, seed: int) -> Int4Groups:
+def _int4_groups(out_f: int, in_f: int, seed: int, symmetric: bool = False) -> Int4Groups:
+    """Q4_1-like groups (w = scale * q + low), or with ``symmetric`` Q4_0-like (w = scale * (q - 8))."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.rand(out_f, in_f // 32, generator=g) * 0.1 + 0.01
     low = torch.randn(out_f, in_f // 32, generator=g) * 0.1
-    return Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g), scale, low + 8 * scale)
+    zero = torch.zeros_like(scale) if symmetric else low + 8 * scale
+    return Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g), scale, zero)
+
+
+def _groups(kind: str, out_f: int, in_f: int, seed: int) -> Int4Groups | Int8Groups:
+    if kind == "int8":
+        return _int8_groups(out_f, in_f, seed)
+    return _int4_groups(out_f, in_f, seed, symmetric=kind == "q4_0")
 
 
 def _int8_groups(out_f: int, in_f: int, seed: int) -> Int8Groups:
@@ -43,19 +51,22 @@ def _linear(groups: Int4Groups | Int8Groups) -> Linear:
     return lin
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "q4_0", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 33])
 @pytest.mark.parametrize("out_f", [40, 300])
 def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_f):
     """Every row count (tails of the 4-row tiles), output sizes off the 16-row blocks and the
-    3-block tiles, 4-bit (w = scale * q + low) and 8-bit (w = scale * q) groups; float32 x
-    gives float32 out to within summation order, and an all-zero group of x stays finite."""
+    3-block tiles, 4-bit (w = scale * q + low; Q4_0's w = scale * (q - 8)) and 8-bit (w = scale
+    * q) groups; float32 x gives float32 out to within summation order, and an all-zero group
+    of x stays finite. Q4_0 and 8-bit groups take the integer zero point instead of low."""
     assert cpu_kernels.load()
     in_f = 96
-    groups = (_int4_groups if kind == "int4" else _int8_groups)(out_f, in_f, seed=rows + out_f)
+    groups = _groups(kind, out_f, in_f, seed=rows + out_f)
     lin = _linear(groups)
     assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
-    assert lin.act_codes.shape[-1] == (256 if kind == "int4" else 512)  # 4-bit codes two a byte
+    assert lin.act_codes.shape[-1] == (512 if kind == "int8" else 256)  # 4-bit codes two a byte
+    assert lin.int8_act_zero_point == {"int4": 0, "q4_0": 8, "int8": 128}[kind]
+    assert lin.act_low.numel() == (0 if lin.int8_act_zero_point else lin.act_scale.numel())
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
     x[0, 32:64] = 0.0
     y = lin(x)
@@ -87,13 +98,13 @@ def test_weight_only_kernels_keep_the_small_calls():
     torch.testing.assert_close(lin(large), _int8_activation_product(large, groups.dequantize()), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "q4_0", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_input_equals_silu_and_mul_first(kind, dtype):
     """forward_gated computes silu(gate) * up while rounding x: the same result, bit for bit,
     as the silu_and_mul op followed by the projection; small calls keep the weight-only kernel."""
     assert cpu_kernels.load()
-    groups = (_int4_groups if kind == "int4" else _int8_groups)(80, 64, seed=5)
+    groups = _groups(kind, 80, 64, seed=5)
     model = torch.nn.Sequential(_linear(groups))
     quantize_model_(model, "checkpoint", packed_max_rows=4, int8_activations=True)
     lin = model[0]
