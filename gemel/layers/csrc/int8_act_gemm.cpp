@@ -22,10 +22,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -42,37 +45,52 @@ constexpr int64_t kTileRows = 4;                     // rows of x per register t
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
 static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
 
-// Input i of a row as the GEMM sees it: x itself, or for a gated MLP's down projection (`up`
-// given) silu(x) * up, rounded as the silu_and_mul op rounds it (the SiLU to T, then the
-// product to T). Fusing it here saves that op and a pass over its output.
+// A row's inputs as float32: x itself, or for a gated MLP's down projection (`up` given)
+// silu(x) * up, rounded as the silu_and_mul op rounds it (the SiLU to T, then the product to
+// T). Fusing it here saves that op and a pass over its output. Vectorised (exp by libmvec).
 template <typename T>
-inline float input_value(const T* x, const T* up, int64_t i) {
-  const float v = static_cast<float>(x[i]);
-  if (up == nullptr) return v;
-  const float silu = static_cast<float>(static_cast<T>(v / (1.f + std::exp(-v))));
-  return static_cast<float>(static_cast<T>(silu * static_cast<float>(up[i])));
+void input_row(const T* x, const T* up, int64_t in_features, float* out) {
+  if (up == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < in_features; ++i) out[i] = gemel::to_f<T>(x[i]);
+    return;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < in_features; ++i) {
+    const float g = gemel::to_f<T>(x[i]);
+    out[i] = gemel::round_as<T>(gemel::round_as<T>(g / (1.f + std::exp(-g))) * gemel::to_f<T>(up[i]));
+  }
 }
 
-// One row of x [K] -> int8 codes per group of 32 (unit max|x|/127), each group's unit, and
-// unit * (sum of the codes): the group's sum as the codes carry it, which multiplies `low`.
-// With an integer zero point z (low = -z d), zero_sum gets z * (sum of the codes) instead.
-template <typename T>
-void quantize_row(const T* x, const T* up, int64_t in_features, int8_t* codes, float* unit, float* code_sum,
+// One row of inputs [K] -> int8 codes per group of 32 (unit max|x|/127, rounded to nearest
+// even), each group's unit, and unit * (sum of the codes): the group's sum as the codes carry
+// it, which multiplies `low`. With an integer zero point z (low = -z d), zero_sum gets z *
+// (sum of the codes) as well.
+void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* unit, float* code_sum,
                   int32_t zero_point, int32_t* zero_sum) {
   for (int64_t g = 0; g < in_features / kGroup; ++g) {
-    float xg[kGroup];
-    float amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      xg[j] = input_value(x, up, g * kGroup + j);
-      amax = std::max(amax, std::fabs(xg[j]));
-    }
-    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    const float* xg = x + g * kGroup;
+    int8_t* cg = codes + g * kGroup;
     int32_t total = 0;
+    float amax = 0.f;
+#if defined(GEMEL_VNNI)
+    const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i code_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));  // round to nearest even
+    const __m512i code_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cg), _mm512_cvtepi32_epi8(code_lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cg + 16), _mm512_cvtepi32_epi8(code_hi));
+    total = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
+#else
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     for (int64_t j = 0; j < kGroup; ++j) {
       const int32_t code = static_cast<int32_t>(std::nearbyint(xg[j] * inverse));
-      codes[g * kGroup + j] = static_cast<int8_t>(code);
+      cg[j] = static_cast<int8_t>(code);
       total += code;
     }
+#endif
     unit[g] = amax / 127.f;
     code_sum[g] = unit[g] * static_cast<float>(total);
     if (zero_sum != nullptr) zero_sum[g] = zero_point * total;
@@ -266,10 +284,12 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
     float *up = unit.data_ptr<float>(), *sp = code_sum.data_ptr<float>();
     int32_t* zp = int_zero ? zero_sum.data_ptr<int32_t>() : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      std::vector<float> inputs(in_features);
       for (int64_t m = m0; m < m1; ++m) {
         const scalar_t* row = xp + m * xc.size(1);
-        quantize_row(row, gated ? row + in_features : nullptr, in_features, qp + m * in_features, up + m * groups,
-                     sp + m * groups, static_cast<int32_t>(zero_point), int_zero ? zp + m * groups : nullptr);
+        input_row(row, gated ? row + in_features : nullptr, in_features, inputs.data());
+        quantize_row(inputs.data(), in_features, qp + m * in_features, up + m * groups, sp + m * groups,
+                     static_cast<int32_t>(zero_point), int_zero ? zp + m * groups : nullptr);
       }
     });
     const uint8_t* wp = codes.data_ptr<uint8_t>();
