@@ -247,7 +247,8 @@ def pack_group_codes(
     """Weight groups ``w = scale * codes + low`` (codes uint8 [out, in], scale and low
     [out, in / 32]) in the layout of ``torch.ops.gemel.int8_act_gemm`` (see its source): rows
     in blocks of 16; per block and group 8 vectors of 64 bytes whose 32-bit lanes are the 16
-    rows, each lane 4 consecutive codes; scale and low as float32 [blocks, groups, 16].
+    rows, each lane 4 consecutive codes; scale and low as [blocks, groups, 16], float16 where
+    that holds them exactly, else float32.
     Codes that all fit in 4 bits are stored two a byte (vectors 0-3 in the low nibbles, 4-7
     in the high ones): half the bytes to stream per step. With an integer ``zero_point`` z
     (``w = scale * (codes - z)``: Q4_0, Q8_0) ``low`` is not needed and comes back empty."""
@@ -259,11 +260,16 @@ def pack_group_codes(
     if int(codes.max()) < 16:
         packed = packed[..., :256] | (packed[..., 256:] << 4)
 
-    def by_block(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).contiguous()
+    # float16 halves the scale bytes a decode step streams, where it holds them exactly (GGUF
+    # stores them as float16; Q4_1's low comes back through float32 arithmetic, hence a check).
+    kept = [scale.float()] + ([] if zero_point else [low.float()])
+    dtype = torch.float16 if all(_fits_float16(t) for t in kept) else torch.float32
 
-    no_low = torch.empty(0, 0, 0)
-    return packed.contiguous(), by_block(scale), no_low if zero_point else by_block(low)
+    def by_block(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype).contiguous()
+
+    no_low = torch.empty(0, 0, 0, dtype=dtype)
+    return packed.contiguous(), by_block(kept[0]), no_low if zero_point else by_block(kept[1])
 
 
 def _fits_float16(t: torch.Tensor) -> bool:

@@ -12,25 +12,29 @@ from gemel.layers.linear import Linear, quantize_model_
 from gemel.models.weights import Int4Groups, Int8Groups
 
 
-def _int4_groups(out_f: int, in_f: int, seed: int, symmetric: bool = False) -> Int4Groups:
-    """Q4_1-like groups (w = scale * q + low), or with ``symmetric`` Q4_0-like (w = scale * (q - 8))."""
+def _int4_groups(out_f: int, in_f: int, seed: int, symmetric: bool = False, half: bool = False) -> Int4Groups:
+    """Q4_1-like groups (w = scale * q + low), or with ``symmetric`` Q4_0-like (w = scale * (q - 8));
+    ``half``: scales and lows that float16 holds exactly, as a GGUF file's."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.rand(out_f, in_f // 32, generator=g) * 0.1 + 0.01
     low = torch.randn(out_f, in_f // 32, generator=g) * 0.1
+    if half:
+        scale, low = scale.half().float(), low.half().float()
     zero = torch.zeros_like(scale) if symmetric else low + 8 * scale
     return Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g), scale, zero)
 
 
-def _groups(kind: str, out_f: int, in_f: int, seed: int) -> Int4Groups | Int8Groups:
+def _groups(kind: str, out_f: int, in_f: int, seed: int, half: bool = False) -> Int4Groups | Int8Groups:
     if kind == "int8":
-        return _int8_groups(out_f, in_f, seed)
-    return _int4_groups(out_f, in_f, seed, symmetric=kind == "q4_0")
+        return _int8_groups(out_f, in_f, seed, half)
+    return _int4_groups(out_f, in_f, seed, symmetric=kind == "q4_0", half=half)
 
 
-def _int8_groups(out_f: int, in_f: int, seed: int) -> Int8Groups:
+def _int8_groups(out_f: int, in_f: int, seed: int, half: bool = False) -> Int8Groups:
     g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.01
     return Int8Groups(torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, generator=g),
-                      torch.rand(out_f, in_f // 32, generator=g) * 0.01)
+                      scale.half().float() if half else scale)
 
 
 def _int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -54,19 +58,22 @@ def _linear(groups: Int4Groups | Int8Groups) -> Linear:
 @pytest.mark.parametrize("kind", ["int4", "q4_0", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 33])
 @pytest.mark.parametrize("out_f", [40, 300])
-def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_f):
+@pytest.mark.parametrize("half", [False, True])
+def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_f, half):
     """Every row count (tails of the 4-row tiles), output sizes off the 16-row blocks and the
     3-block tiles, 4-bit (w = scale * q + low; Q4_0's w = scale * (q - 8)) and 8-bit (w = scale
     * q) groups; float32 x gives float32 out to within summation order, and an all-zero group
-    of x stays finite. Q4_0 and 8-bit groups take the integer zero point instead of low."""
+    of x stays finite. Q4_0 and 8-bit groups take the integer zero point instead of low.
+    Scales that float16 holds exactly (a GGUF file's) are stored as float16."""
     assert cpu_kernels.load()
     in_f = 96
-    groups = _groups(kind, out_f, in_f, seed=rows + out_f)
+    groups = _groups(kind, out_f, in_f, seed=rows + out_f, half=half)
     lin = _linear(groups)
     assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
     assert lin.act_codes.shape[-1] == (512 if kind == "int8" else 256)  # 4-bit codes two a byte
     assert lin.int8_act_zero_point == {"int4": 0, "q4_0": 8, "int8": 128}[kind]
     assert lin.act_low.numel() == (0 if lin.int8_act_zero_point else lin.act_scale.numel())
+    assert lin.act_scale.dtype == lin.act_low.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
     x[0, 32:64] = 0.0
     y = lin(x)

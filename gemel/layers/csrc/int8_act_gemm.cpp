@@ -103,12 +103,18 @@ inline void store_row(T* y, const float* values, int64_t count) {
 }
 
 #if defined(GEMEL_VNNI)
+// 16 scales or offsets, stored as float32 or float16.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // kRows rows of x against kBlocks blocks of 16 outputs, over all groups. kIntZero: the weights
 // are w = d * (u - z) with an integer z (Q8_0: 128, Q4_0: 8), and z * sum(x codes) comes off
 // the integer dot product itself, one floating-point op less per group than `low`'s FMA.
-template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, typename T>
+template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, typename S, typename T>
 void tile(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum, const uint8_t* w,
-          const float* d, const float* low, T* y, int64_t in_features, int64_t out_features, int64_t block) {
+          const S* d, const S* low, T* y, int64_t in_features, int64_t out_features, int64_t block) {
   const int64_t groups = in_features / kGroup;
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
@@ -144,7 +150,7 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
       }
     }
     for (int c = 0; c < kBlocks; ++c) {
-      const __m512 dv = _mm512_loadu_ps(d + ((block + c) * groups + g) * kBlockRows);
+      const __m512 dv = load16(d + ((block + c) * groups + g) * kBlockRows);
       if constexpr (kIntZero) {
         for (int r = 0; r < kRows; ++r) {
           const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
@@ -152,7 +158,7 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[r][c]);
         }
       } else {
-        const __m512 lv = _mm512_loadu_ps(low + ((block + c) * groups + g) * kBlockRows);
+        const __m512 lv = load16(low + ((block + c) * groups + g) * kBlockRows);
         for (int r = 0; r < kRows; ++r) {
           const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -181,9 +187,9 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
   }
 }
 
-template <int kBlocks, bool kNibbles, bool kIntZero, typename T>
+template <int kBlocks, bool kNibbles, bool kIntZero, typename S, typename T>
 void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
-               const uint8_t* w, const float* d, const float* low, T* y, int64_t rows, int64_t in_features,
+               const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                int64_t out_features, int64_t block) {
   const int64_t groups = in_features / kGroup;
   for (int64_t m = 0; m < rows; m += kTileRows) {
@@ -192,28 +198,32 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
     const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
     T* out = y + m * out_features;
     switch (std::min<int64_t>(kTileRows, rows - m)) {
-      case 1: tile<1, kBlocks, kNibbles, kIntZero, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
-      case 2: tile<2, kBlocks, kNibbles, kIntZero, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
-      case 3: tile<3, kBlocks, kNibbles, kIntZero, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
-      default: tile<kTileRows, kBlocks, kNibbles, kIntZero, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
+      case 1: tile<1, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
+      case 2: tile<2, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
+      case 3: tile<3, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
+      default: tile<kTileRows, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
     }
   }
 }
 #endif
 
+// x in float32 or bf16, what the engine runs (fewer instantiations than every floating type).
+#define GEMEL_FLOAT_AND_BF16_CASES(...) \
+  AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__)
+
 // Blocks [b0, b1) of the output for all rows.
-template <bool kNibbles, bool kIntZero, typename T>
+template <bool kNibbles, bool kIntZero, typename S, typename T>
 void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
-                 const uint8_t* w, const float* d, const float* low, T* y, int64_t rows, int64_t in_features,
+                 const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                  int64_t out_features, int64_t b0, int64_t b1) {
   const int64_t groups = in_features / kGroup;
 #if defined(GEMEL_VNNI)
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
-    tile_rows<kTileBlocks, kNibbles, kIntZero, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
+    tile_rows<kTileBlocks, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
                                                   out_features, b);
   for (; b < b1; ++b)
-    tile_rows<1, kNibbles, kIntZero, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
+    tile_rows<1, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
                                         b);
 #else
   for (int64_t b = b0; b < b1; ++b) {
@@ -235,9 +245,10 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
           }
           const int64_t at = (b * groups + g) * kBlockRows + i;
           if constexpr (kIntZero) {
-            total += static_cast<float>(dot - zero_sum[m * groups + g]) * d[at] * unit[m * groups + g];
+            total += static_cast<float>(dot - zero_sum[m * groups + g]) * static_cast<float>(d[at]) * unit[m * groups + g];
           } else {
-            total += static_cast<float>(dot) * d[at] * unit[m * groups + g] + low[at] * code_sum[m * groups + g];
+            total += static_cast<float>(dot) * static_cast<float>(d[at]) * unit[m * groups + g] +
+                     static_cast<float>(low[at]) * code_sum[m * groups + g];
           }
         }
         y[m * out_features + b * kBlockRows + i] = static_cast<T>(total);
@@ -248,7 +259,8 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 }
 
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
-// [ceil(N/16), K/32, 16] float32. zero_point z > 0: w = d * (u - z) and low is empty.
+// [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
+// scales as float16). zero_point z > 0: w = d * (u - z) and low is empty.
 // Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
 // the input is silu(gate) * up.
 at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
@@ -265,9 +277,10 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   TORCH_CHECK(zero_point >= 0 && zero_point <= 255, "zero_point must be in 0..255");
   TORCH_CHECK(!int_zero || low.numel() == 0, "with an integer zero point, low must be empty");
   const auto check_per_block = [&](const at::Tensor& t) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups &&
-                    t.size(2) == kBlockRows && t.is_contiguous(),
-                "scales and offsets: float32 [blocks, groups, 16], contiguous");
+    TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.scalar_type() == d.scalar_type() &&
+                    t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups && t.size(2) == kBlockRows &&
+                    t.is_contiguous(),
+                "scales and offsets: float32 or float16 (both alike) [blocks, groups, 16], contiguous");
   };
   check_per_block(d);
   if (!int_zero) check_per_block(low);
@@ -278,7 +291,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   auto code_sum = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
   auto zero_sum = at::empty({int_zero ? rows : 0, groups}, xc.options().dtype(at::kInt));
   auto y = at::empty({rows, out_features}, xc.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "int8_act_gemm", [&] {
+  AT_DISPATCH_SWITCH(xc.scalar_type(), "int8_act_gemm", GEMEL_FLOAT_AND_BF16_CASES([&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     int8_t* qp = qx.data_ptr<int8_t>();
     float *up = unit.data_ptr<float>(), *sp = code_sum.data_ptr<float>();
@@ -293,25 +306,31 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
       }
     });
     const uint8_t* wp = codes.data_ptr<uint8_t>();
-    const float *dp = d.data_ptr<float>(), *lp = int_zero ? nullptr : low.data_ptr<float>();
+    const bool half_scales = d.scalar_type() == at::kHalf;
     scalar_t* yp = y.data_ptr<scalar_t>();
     // Threads split the output blocks in whole register tiles.
     const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       const int64_t b0 = t0 * kTileBlocks, b1 = std::min(blocks, t1 * kTileBlocks);
-      const auto run = [&](auto nibbles_tag, auto int_zero_tag) {
-        gemm_blocks<decltype(nibbles_tag)::value, decltype(int_zero_tag)::value>(
+      const auto run = [&](auto nibbles_tag, auto int_zero_tag, auto scale_tag) {
+        using S = decltype(scale_tag);
+        const S* dp = d.data_ptr<S>();
+        const S* lp = int_zero ? nullptr : low.data_ptr<S>();
+        gemm_blocks<decltype(nibbles_tag)::value, decltype(int_zero_tag)::value, S>(
             qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+      };
+      const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
+        half_scales ? run(nibbles_tag, int_zero_tag, at::Half{}) : run(nibbles_tag, int_zero_tag, float{});
       };
       using Yes = std::true_type;
       using No = std::false_type;
       if (nibbles) {
-        int_zero ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+        int_zero ? with_scales(Yes{}, Yes{}) : with_scales(Yes{}, No{});
       } else {
-        int_zero ? run(No{}, Yes{}) : run(No{}, No{});
+        int_zero ? with_scales(No{}, Yes{}) : with_scales(No{}, No{});
       }
     });
-  });
+  }));
   return y;
 }
 
