@@ -10,7 +10,9 @@ embedding for eager steps (``csrc/fused_ops.cpp``), and greedy sampling's argmax
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and CPU, and cached under
 ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`
-returns False and callers keep their pure PyTorch paths.
+returns False and callers keep their pure PyTorch paths. ``$GEMEL_KERNEL_MARCH`` (default
+``native``) is the ``-march`` they are built for: ``x86-64-v3``, for instance, builds the
+plain C++ paths that CPUs without AVX-512 run, which a test checks.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _loaded: bool | None = None  # None: not tried yet
+
+
+def _march() -> str:
+    return os.environ.get("GEMEL_KERNEL_MARCH", "native")
 
 
 def _cpu_flags() -> str:
@@ -74,7 +80,7 @@ def _build(target: Path) -> None:
         out = Path(tmp) / target.name
         cmd = [
             compiler, *map(str, SOURCES), "-o", str(out), "-shared", "-fPIC", "-std=c++17", "-O3",
-            "-march=native", "-fopenmp", "-ffast-math", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-march={_march()}", "-fopenmp", "-ffast-math", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *[f"-I{p}" for p in include_paths()],
             # libgomp is PyTorch's own copy (same soname), so the kernel shares its thread pool.
             f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lmvec",
@@ -91,7 +97,8 @@ def load() -> bool:
     if _loaded is not None:
         return _loaded
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode()
+        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+        + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode() + _march().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / key / "gemel_cpu_kernels.so"
     try:
