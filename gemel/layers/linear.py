@@ -187,8 +187,18 @@ class Linear(nn.Module):
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor, persistent=False)
 
+    def _weight_only(self, rows: int) -> bool:
+        """Whether a call of this many rows takes the weight-only low-bit kernels."""
+        return self.quant is not None and rows <= self.packed_max_rows
+
+    def _int8_act(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        y = torch.ops.gemel.int8_act_gemm(
+            x, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, gated, self.int8_act_zero_point
+        )
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and x.shape[0] <= self.packed_max_rows:
+        if self._weight_only(x.shape[0]):
             if self.quant == "int4_groups":
                 y = torch.ops.gemel.int4_group_mm(x, self.w_q4, self.w_q4_rows)
             elif self.quant == "int8_groups":
@@ -199,10 +209,7 @@ class Linear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
             return y if self.bias is None else y + self.bias
         if self.int8_act_out_features:
-            y = torch.ops.gemel.int8_act_gemm(
-                x, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, False, self.int8_act_zero_point
-            )
-            return y if self.bias is None else y + self.bias
+            return self._int8_act(x, gated=False)
         if self.onednn_weight is not None and not (self.weight is not None and torch.compiler.is_compiling()):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -211,12 +218,8 @@ class Linear(nn.Module):
         """``self(silu(gate) * up)`` for a gated MLP's fused gate/up output ``[T, 2 I]`` (fused
         CPU path). The int8-activation GEMM computes the product while it rounds its input, one
         op fewer a layer; other calls take the fused silu_and_mul op first."""
-        if self.int8_act_out_features and not (self.quant is not None and gate_up.shape[0] <= self.packed_max_rows):
-            y = torch.ops.gemel.int8_act_gemm(
-                gate_up, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, True,
-                self.int8_act_zero_point,
-            )
-            return y if self.bias is None else y + self.bias
+        if self.int8_act_out_features and not self._weight_only(gate_up.shape[0]):
+            return self._int8_act(gate_up, gated=True)
         return self(torch.ops.gemel.silu_and_mul(gate_up))
 
 
@@ -229,16 +232,10 @@ def pack_int4_rows(groups: Int4Groups) -> torch.Tensor:
     pad = blocks * 16 - out_features
     q = F.pad(groups.q.to(torch.uint8), (0, 0, 0, pad)).view(blocks, 16, num_groups, 4, 2, 4)
     codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, num_groups, 256)
-    low = groups.zero.float() - 8.0 * groups.scale.float()
-    # float16 halves the scale bytes the kernel streams, where it holds them to float32 precision
-    # (GGUF Q4_0/Q4_1 store float16; ``low`` comes back through float32 arithmetic, hence a tolerance).
-    dtype = torch.float16 if all(_fits_float16(t) for t in (groups.scale.float(), low)) else torch.float32
-
-    def as_bytes(t: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [blocks, groups, 16 values as bytes]
-        by_block = F.pad(t.float(), (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype)
-        return by_block.contiguous().view(torch.uint8)
-
-    return torch.cat([codes, as_bytes(groups.scale), as_bytes(low)], dim=-1).contiguous()
+    scale, low = groups.scale.float(), groups.zero.float() - 8.0 * groups.scale.float()
+    dtype = _scale_dtype(scale, low)
+    as_bytes = [_by_block(t, blocks, dtype).view(torch.uint8) for t in (scale, low)]
+    return torch.cat([codes, *as_bytes], dim=-1).contiguous()
 
 
 def pack_group_codes(
@@ -260,20 +257,25 @@ def pack_group_codes(
     if int(codes.max()) < 16:
         packed = packed[..., :256] | (packed[..., 256:] << 4)
 
-    # float16 halves the scale bytes a decode step streams, where it holds them exactly (GGUF
-    # stores them as float16; Q4_1's low comes back through float32 arithmetic, hence a check).
     kept = [scale.float()] + ([] if zero_point else [low.float()])
-    dtype = torch.float16 if all(_fits_float16(t) for t in kept) else torch.float32
-
-    def by_block(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, 0, 0, pad)).view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype).contiguous()
-
-    no_low = torch.empty(0, 0, 0, dtype=dtype)
-    return packed.contiguous(), by_block(kept[0]), no_low if zero_point else by_block(kept[1])
+    dtype = _scale_dtype(*kept)
+    low_by_block = torch.empty(0, 0, 0, dtype=dtype) if zero_point else _by_block(kept[1], blocks, dtype)
+    return packed.contiguous(), _by_block(kept[0], blocks, dtype), low_by_block
 
 
-def _fits_float16(t: torch.Tensor) -> bool:
-    return bool(torch.allclose(t.half().float(), t, rtol=2**-20, atol=0.0))
+def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float16 where it holds every value to float32 precision, else float32: half the scale
+    bytes the kernels stream (GGUF stores float16; a Q4_1 ``low`` comes back through float32
+    arithmetic, hence a tolerance rather than equality)."""
+    fits = all(bool(torch.allclose(t.half().float(), t, rtol=2**-20, atol=0.0)) for t in tensors)
+    return torch.float16 if fits else torch.float32
+
+
+def _by_block(t: torch.Tensor, blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row, per-group values [out, groups] as [blocks, groups, 16] (rows padded to whole blocks)."""
+    out_features, num_groups = t.shape
+    padded = F.pad(t, (0, 0, 0, blocks * 16 - out_features))
+    return padded.view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype).contiguous()
 
 
 def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int, int8_activations: bool = False) -> int:
