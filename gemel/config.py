@@ -65,6 +65,13 @@ class EngineConfig(BaseModel):
         "checkpoint's own weight groups (GGUF Q4_0/Q4_1/Q8_0) with x rounded to int8 per group of 32, llama.cpp's "
         "arithmetic: faster than bf16 on AVX512-VNNI CPUs without AMX, slightly different outputs (CPU)",
     )
+    int8_act_max_rows: int | None = Field(
+        None,
+        ge=1,
+        description="with int8_activations, calls of more rows take the bf16 GEMM instead; default 128 on CPUs with "
+        "AMX (whose bf16 tiles win on prefill-sized calls while the 4-bit weights stream faster in decode steps), "
+        "no limit elsewhere",
+    )
     packed_max_rows: int | None = Field(
         None,
         ge=0,

@@ -22,7 +22,7 @@ from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import prepack_model_, quantize_model_
+from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, prepack_model_, quantize_model_
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
 
@@ -48,9 +48,10 @@ class EngineCore:
         int8_activations = int8_activations and cpu_kernels.load()
         if config.int8_activations and not int8_activations:
             log.warning("int8_activations needs a CPU with AVX512-VNNI and the C++ kernels; using the dense weights")
-        elif int8_activations and cpu_kernels.has_amx():
-            log.warning("int8_activations on a CPU with AMX, whose bf16 GEMMs are usually faster")
-        quantize_model_(self.loaded.model, config.weight_quant, packed_rows, int8_activations)
+        int8_act_max_rows = config.int8_act_max_rows
+        if int8_act_max_rows is None:  # AMX: bf16 tiles for prefill-sized calls (docs/performance.md, ninth pass)
+            int8_act_max_rows = AMX_INT8_ACT_MAX_ROWS if cpu_kernels.has_amx() else None
+        quantize_model_(self.loaded.model, config.weight_quant, packed_rows, int8_activations, int8_act_max_rows)
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)

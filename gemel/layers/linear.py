@@ -28,6 +28,12 @@ from gemel.layers import cpu_kernels
 from gemel.models.weights import Int4Groups, Int8Groups, WeightSource
 
 
+# Where a CPU has AMX, int8_act_gemm serves calls up to this many rows and the bf16 GEMM larger
+# ones: on a 2-core Xeon with AMX the 4-bit codes win decode steps (the weights stream from
+# memory) and lose prefill chunks by 1.6-2.6x at 1,024 rows (docs/performance.md, ninth pass).
+AMX_INT8_ACT_MAX_ROWS = 128
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b)."""
 
@@ -44,6 +50,7 @@ class Linear(nn.Module):
         self.checkpoint_int8: Callable[[], Int8Groups | None] | None = None
         self.int8_act_out_features = 0  # > 0 once add_int8_activation_gemm_() packed the groups
         self.int8_act_zero_point = 0  # w = scale * (codes - this) when > 0 (Q4_0, Q8_0); else low is used
+        self.int8_act_max_rows: int | None = None  # larger calls take the bf16 GEMM (None: no limit)
 
     @classmethod
     def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
@@ -84,12 +91,13 @@ class Linear(nn.Module):
             self.weight = None  # a tied embedding keeps its own reference
         return True
 
-    def add_int8_activation_gemm_(self) -> bool:
+    def add_int8_activation_gemm_(self, max_rows: int | None = None) -> bool:
         """Pack the checkpoint's weight groups (GGUF Q4_0/Q4_1/Q8_0) for
         ``torch.ops.gemel.int8_act_gemm``, which then serves every call that the weight-only
-        kernels do not: integer dot products on the file's exact weights with x rounded to int8
-        per group of 32, llama.cpp's arithmetic, 1.35-1.65x the bf16 GEMM on AVX512-VNNI CPUs
-        without AMX. Returns whether this projection has such groups."""
+        kernels do not, up to ``max_rows`` rows (None: all): integer dot products on the file's
+        exact weights with x rounded to int8 per group of 32, llama.cpp's arithmetic, 1.35-1.65x
+        the bf16 GEMM on AVX512-VNNI CPUs without AMX. Returns whether this projection has such
+        groups."""
         if self.weight is None or self.weight.device.type != "cpu":
             return False
         int4 = self._checkpoint_groups("checkpoint_int4")
@@ -108,6 +116,7 @@ class Linear(nn.Module):
         self._keep(**dict(zip(("act_codes", "act_scale", "act_low"), packed)))
         self.int8_act_out_features = out_features
         self.int8_act_zero_point = zero_point
+        self.int8_act_max_rows = max_rows
         return True
 
     def _checkpoint_groups(self, name: str) -> Int4Groups | Int8Groups | None:
@@ -191,6 +200,10 @@ class Linear(nn.Module):
         """Whether a call of this many rows takes the weight-only low-bit kernels."""
         return self.quant is not None and rows <= self.packed_max_rows
 
+    def _int8_act_rows(self, rows: int) -> bool:
+        """Whether a call of this many rows takes int8_act_gemm."""
+        return bool(self.int8_act_out_features) and (self.int8_act_max_rows is None or rows <= self.int8_act_max_rows)
+
     def _int8_act(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         y = torch.ops.gemel.int8_act_gemm(
             x, self.act_codes, self.act_scale, self.act_low, self.int8_act_out_features, gated, self.int8_act_zero_point
@@ -208,7 +221,7 @@ class Linear(nn.Module):
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
             return y if self.bias is None else y + self.bias
-        if self.int8_act_out_features:
+        if self._int8_act_rows(x.shape[0]):
             return self._int8_act(x, gated=False)
         if self.onednn_weight is not None and not (self.weight is not None and torch.compiler.is_compiling()):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
@@ -218,7 +231,7 @@ class Linear(nn.Module):
         """``self(silu(gate) * up)`` for a gated MLP's fused gate/up output ``[T, 2 I]`` (fused
         CPU path). The int8-activation GEMM computes the product while it rounds its input, one
         op fewer a layer; other calls take the fused silu_and_mul op first."""
-        if self.int8_act_out_features and not self._weight_only(gate_up.shape[0]):
+        if self._int8_act_rows(gate_up.shape[0]) and not self._weight_only(gate_up.shape[0]):
             return self._int8_act(gate_up, gated=True)
         return self(torch.ops.gemel.silu_and_mul(gate_up))
 
@@ -278,20 +291,23 @@ def _by_block(t: torch.Tensor, blocks: int, dtype: torch.dtype) -> torch.Tensor:
     return padded.view(blocks, 16, num_groups).permute(0, 2, 1).to(dtype).contiguous()
 
 
-def quantize_model_(model: nn.Module, mode: str, packed_max_rows: int, int8_activations: bool = False) -> int:
+def quantize_model_(
+    model: nn.Module, mode: str, packed_max_rows: int, int8_activations: bool = False, int8_act_max_rows: int | None = None
+) -> int:
     """Give every projection of ``model`` a low-bit copy (``mode`` as in ``Linear.quantize_``;
     ``none`` only lets go of the checkpoint), and with ``int8_activations`` the packed groups
-    for larger calls (``Linear.add_int8_activation_gemm_``). Returns how many were quantised."""
+    for larger calls, up to ``int8_act_max_rows`` rows (``Linear.add_int8_activation_gemm_``).
+    Returns how many were quantised."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            packed_groups = int8_activations and module.add_int8_activation_gemm_()
+            packed_groups = int8_activations and module.add_int8_activation_gemm_(int8_act_max_rows)
             if mode == "none":
                 module.checkpoint_int4 = module.checkpoint_int8 = None
             else:
                 module.quantize_(mode, packed_max_rows)
                 count += module.quant is not None
-            if packed_groups:
+            if packed_groups and int8_act_max_rows is None:
                 module.weight = None  # every call now takes a packed kernel (a tied embedding keeps its own)
     return count
 

@@ -7,7 +7,7 @@ import torch
 
 from gemel import LLM, SamplingParams
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import Linear
+from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, Linear
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,10 @@ def test_int8_activations_serve_every_projection_close_to_the_dense_model():
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(projections) == 4 * 30 + 1
     assert all(m.int8_act_out_features and m.weight is None for m in projections)
+    # on CPUs with AMX, calls of more than 128 rows (prefill chunks) take the bf16 tiles instead
+    amx = cpu_kernels.has_amx()
+    assert all(m.int8_act_max_rows == (AMX_INT8_ACT_MAX_ROWS if amx else None) for m in projections)
+    assert all((m.onednn_weight is not None) == amx for m in projections)
     assert model.embed_tokens.shape == (49152, 576)  # the lookup table stays
 
     dense = LLM("smollm2-135m-instruct", dtype="bfloat16")

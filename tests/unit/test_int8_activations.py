@@ -105,6 +105,41 @@ def test_weight_only_kernels_keep_the_small_calls():
     torch.testing.assert_close(lin(large), _int8_activation_product(large, groups.dequantize()), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_calls_above_the_row_limit_take_the_bf16_gemm(prepacked):
+    """With int8_act_max_rows (the default on CPUs with AMX), larger calls, plain and gated,
+    take the dense bf16 product (oneDNN's, once prepacked) and smaller ones int8_act_gemm; the
+    dense weight stays for them."""
+    assert cpu_kernels.load()
+    groups = _int4_groups(64, 128, seed=2)
+    model = torch.nn.Sequential(_linear(groups))
+    quantize_model_(model, "checkpoint", packed_max_rows=4, int8_activations=True, int8_act_max_rows=8)
+    lin = model[0]
+    assert lin.weight is not None and lin.int8_act_max_rows == 8
+    dense = groups.dequantize().bfloat16()
+    if prepacked:
+        assert lin.prepack_() and lin.weight is None
+
+    def dense_product(x: torch.Tensor) -> torch.Tensor:
+        if prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x, lin.onednn_weight, None, "none", [], "")
+        return torch.nn.functional.linear(x, dense)
+
+    g = torch.Generator().manual_seed(0)
+    at_limit, above = torch.randn(8, 128, generator=g).bfloat16(), torch.randn(9, 128, generator=g).bfloat16()
+    int8_product = torch.ops.gemel.int8_act_gemm(at_limit, lin.act_codes, lin.act_scale, lin.act_low, 64, False,
+                                                lin.int8_act_zero_point)
+    assert torch.equal(lin(at_limit), int8_product)
+    assert not torch.equal(lin(at_limit), dense_product(at_limit))
+    assert torch.equal(lin(above), dense_product(above))
+    gate_up = torch.randn(9, 256, generator=g).bfloat16()
+    assert torch.equal(lin.forward_gated(gate_up), dense_product(torch.ops.gemel.silu_and_mul(gate_up)))
+    # both are the same weights: the two products differ only by x's rounding
+    expected = _int8_activation_product(at_limit, groups.dequantize())
+    torch.testing.assert_close(int8_product.float(), expected, atol=expected.abs().max().item() / 64, rtol=0)
+    torch.testing.assert_close(dense_product(above).float(), above.float() @ dense.float().T, atol=0.1, rtol=2**-7)
+
+
 @pytest.mark.parametrize("kind", ["int4", "q4_0", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_input_equals_silu_and_mul_first(kind, dtype):
