@@ -46,11 +46,50 @@ class GGUFLoadError(ValueError):
 
 def _checked_reader_class():
     """GGUFReader that checks every tensor's extent against the file before mapping it,
-    so a truncated file is reported with the tensor's name, not a numpy reshape error."""
-    from gguf import GGUFReader
+    so a truncated file is reported with the tensor's name, not a numpy reshape error,
+    and reads metadata arrays in bulk.
+
+    The stock reader makes a memory-mapped numpy view for every element of every array:
+    for Gemma 3's 262,144-token vocabulary (tokens, scores, token types) that is 1.3
+    million views and 18 s of a 2-core machine's start-up. Here a number array is one
+    view, and a string array is walked with ``struct`` over plain (not memmap) views:
+    ``field.contents()`` returns the same values, in well under a second."""
+    import struct
+
+    from gguf import GGUFReader, GGUFValueType
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     class CheckedReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            length = self._get(orig_offs + 4, np.uint64)
+            count, item_type, offs = int(length[0]), int(raw_itype[0]), orig_offs + 12
+            number_type = self.gguf_scalar_to_np.get(item_type)
+            if count == 0 or (number_type is None and item_type != GGUFValueType.STRING):
+                return super()._get_field_parts(orig_offs, raw_type)  # empty, or nested arrays
+            types = [GGUFValueType.ARRAY, GGUFValueType(item_type)]
+            if number_type is not None:
+                values = self._get(offs, number_type, count)
+                if len(values) != count:
+                    raise ValueError(f"array at offset {orig_offs} runs past the end of the file")
+                return 12 + int(values.nbytes), [raw_itype, length, values], [2], types
+            raw = self.data.view(np.ndarray)  # slicing a memmap is what makes the stock reader slow
+            size = len(raw)
+            parts, data = [raw_itype, length], []
+            for _ in range(count):
+                if offs + 8 > size:
+                    raise ValueError(f"string array at offset {orig_offs} runs past the end of the file")
+                (text_len,) = struct.unpack_from("<Q", raw, offs)
+                if offs + 8 + text_len > size:
+                    raise ValueError(f"string array at offset {orig_offs} runs past the end of the file")
+                parts.append(raw[offs : offs + 8].view(np.uint64))
+                data.append(len(parts))
+                parts.append(raw[offs + 8 : offs + 8 + text_len])
+                offs += 8 + text_len
+            return offs - orig_offs, parts, data, types
+
         def _build_tensors(self, start_offs, fields):
             size = self.data.nbytes
             for f in fields:

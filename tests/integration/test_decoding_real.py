@@ -4,11 +4,11 @@ decoding's greedy identity, and logprobs against transformers' log-softmax."""
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
 import torch
+from parity import hf_model_from_gguf
 
 from gemel import LLM, SamplingParams
 from gemel.engine.structured_output import StructuredOutputSpec
@@ -106,16 +106,13 @@ def test_speculative_greedy_identical_on_smollm2(method):
     assert got == ref
 
 
-def test_logprobs_match_transformers_log_softmax():
-    from transformers import AutoModelForCausalLM
-
+def test_logprobs_match_transformers_log_softmax(tmp_path):
     llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_mb=128)
     out = llm.generate(
         [[{"role": "user", "content": "Name a colour."}]],
         SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True),
     )[0]
-    directory, name = os.path.split(llm.engine.core.loaded.path)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(llm.engine.core.loaded.path, torch.float32, str(tmp_path))
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)

@@ -3,11 +3,9 @@ transformers on the same dequantised GGUF weights, float32 and bfloat16."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from parity import check_greedy, hf_greedy
+from parity import check_greedy, hf_greedy, hf_model_from_gguf
 
 from gemel import LLM, SamplingParams
 
@@ -36,29 +34,22 @@ def _prompt_ids(llm: LLM, text: str, chat: bool) -> list[int]:
     return llm.tokenizer.encode(text)
 
 
-def _hf_model(path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
-
-
 class Reference:
     """One model's prompts and transformers' float32 greedy continuations, computed once."""
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, scratch_dir: str):
         self.model = model
         tokenizer_llm = LLM(model, dtype="float32", num_kv_blocks=64)
         self.path = tokenizer_llm.engine.core.loaded.path
         self.prompts = [_prompt_ids(tokenizer_llm, p, chat) for p in PROMPTS]
         del tokenizer_llm
-        self.hf = _hf_model(self.path, torch.float32)
+        self.hf = hf_model_from_gguf(self.path, torch.float32, scratch_dir)
         self.greedy = [hf_greedy(self.hf, ids, NEW_TOKENS) for ids in self.prompts]
 
 
 @pytest.fixture(scope="module", params=[("smollm2-135m-instruct", True), ("gemma3-270m", False)], ids=["smollm2", "gemma3"])
-def reference(request) -> Reference:
-    return Reference(*request.param)
+def reference(request, tmp_path_factory) -> Reference:
+    return Reference(*request.param, str(tmp_path_factory.mktemp("hf-gguf")))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -54,6 +54,57 @@ def test_garbage_gguf_names_file(tmp_path):
         gguf_loader.open_gguf(str(bad))
 
 
+def _metadata_file(path: str) -> None:
+    """A GGUF file with a metadata value of each kind the reader handles: scalars, strings
+    (empty, multi-byte), arrays of numbers, strings, bools, an empty and a nested array."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("test.count", 7)
+    writer.add_float32("test.eps", 1e-5)
+    writer.add_string("test.name", "ünï 東京")
+    writer.add_array("test.words", ["", "a", "▁the", "ünï", "東京", "x" * 300])
+    writer.add_array("test.floats", [0.5, -1.25, 3.0])
+    writer.add_array("test.ints", list(range(-3, 1000)))
+    writer.add_array("test.flags", [True, False, True])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_tensor("blk.0.ffn_down.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_metadata_reads_as_the_gguf_package_reads_it(tmp_path, smollm2_path):
+    import gguf
+    import numpy as np
+
+    made = str(tmp_path / "meta.gguf")
+    _metadata_file(made)
+    for path in (made, smollm2_path):
+        ours, stock = gguf_loader.open_gguf(path), gguf.GGUFReader(path)
+        assert list(ours.fields) == list(stock.fields)
+        for key, field in stock.fields.items():
+            assert ours.fields[key].types == field.types, key
+            assert ours.fields[key].contents() == field.contents(), key
+        assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in stock.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors))
+    reader = gguf_loader.open_gguf(made)
+    assert gguf_loader.field(reader, "test.words") == ["", "a", "▁the", "ünï", "東京", "x" * 300]
+    assert gguf_loader.field(reader, "test.ints") == list(range(-3, 1000))
+    assert gguf_loader.field(reader, "test.flags") == [True, False, True]
+
+
+def test_string_array_cut_short_names_file(tmp_path, smollm2_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(200_000))  # inside tokenizer.ggml.tokens
+    with pytest.raises(gguf_loader.GGUFLoadError, match="cut.gguf.*past the end"):
+        gguf_loader.open_gguf(str(cut))
+
+
 def test_missing_source_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         sources.resolve("no-such-model")

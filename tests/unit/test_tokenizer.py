@@ -14,6 +14,7 @@ from typing import Any
 import gguf
 import pytest
 
+from gemel.loader import gguf_loader
 from gemel.loader.tokenizer import FALLBACK_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -96,7 +97,7 @@ def _stream(tokenizer: Tokenizer, ids: list[int], **kwargs: Any) -> list[str]:
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
     path = _smollm2_path()
-    return Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    return Tokenizer.from_gguf(gguf_loader.open_gguf(path), path)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def gemma_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def gemma_reader() -> gguf.GGUFReader:
-    return gguf.GGUFReader(_gemma3_path())
+    return gguf_loader.open_gguf(_gemma3_path())
 
 
 @pytest.fixture(scope="module")
