@@ -6,7 +6,7 @@ All under ``torch.ops.gemel``: decode and prefill attention that read the paged 
 (``csrc/int4_group_mm.cpp``, AVX512-VNNI), larger projections on those groups with int8
 activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
 embedding for eager steps (``csrc/fused_ops.cpp``), and greedy sampling's argmax
-(``csrc/argmax.cpp``). They are compiled into one library
+(``csrc/argmax.cpp``). They are compiled (one compiler process per source, in parallel) into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and CPU, and cached under
 ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`
@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -67,7 +68,11 @@ def _cache_dir() -> Path:
 
 
 def _build(target: Path) -> None:
-    """Compile the sources into ``target`` (written atomically, so concurrent builds are safe)."""
+    """Compile the sources into ``target`` (written atomically, so concurrent builds are safe).
+
+    One compiler process per source, as many at once as there are cores, then one link: most
+    of each source's time is parsing PyTorch's headers, so a single compiler invocation over
+    all of them leaves every core but one idle."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -75,19 +80,27 @@ def _build(target: Path) -> None:
         raise RuntimeError("no C++ compiler found")
     torch_lib = library_paths()[0]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-fPIC", "-std=c++17", "-O3", f"-march={_march()}", "-fopenmp", "-ffast-math",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [
-            compiler, *map(str, SOURCES), "-o", str(out), "-shared", "-fPIC", "-std=c++17", "-O3",
-            f"-march={_march()}", "-fopenmp", "-ffast-math", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *[f"-I{p}" for p in include_paths()],
+
+        def run(cmd: list[str]) -> None:
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{result.stderr[-2000:]}")
+
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
+            for done in [pool.submit(run, [compiler, "-c", str(source), "-o", str(obj), *flags])
+                         for source, obj in zip(SOURCES, objects)]:
+                done.result()
+        run([
+            compiler, *map(str, objects), "-o", str(out), "-shared", "-fopenmp",
             # libgomp is PyTorch's own copy (same soname), so the kernel shares its thread pool.
             f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lmvec",
-        ]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{result.stderr[-2000:]}")
+        ])
         os.replace(out, target)
 
 

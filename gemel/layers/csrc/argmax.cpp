@@ -4,7 +4,8 @@
 //
 // Same answer as torch.argmax: the first index of the largest value, and the first NaN where
 // a row has one (PyTorch ranks NaN above everything).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

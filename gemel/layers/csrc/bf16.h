@@ -3,7 +3,7 @@
 // in float32 and rounds its result to bf16, and the fused kernels round at the same points.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>

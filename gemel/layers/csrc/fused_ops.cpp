@@ -5,7 +5,10 @@
 // one pass. They round at the same points as the PyTorch code they replace (every PyTorch
 // op on bf16 computes in float32 and rounds its result to bf16), so results agree with it
 // up to the order of the RMSNorm sum.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

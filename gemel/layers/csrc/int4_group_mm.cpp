@@ -20,7 +20,9 @@
 // one stream and torch.compile guards one tensor per projection. Scales and lows are float16
 // where that holds them exactly (GGUF Q4_0/Q4_1 store them so; a 320-byte record): at batch 1
 // the kernel runs at memory bandwidth, and every byte counts; float32 otherwise (384 bytes).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

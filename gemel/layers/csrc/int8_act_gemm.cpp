@@ -18,7 +18,9 @@
 // low nibbles, vector j + 4 in the high ones (256 bytes per block and group). A decode step
 // streams every weight from memory, so half the bytes matter more than the two extra
 // instructions per vector that unpack them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -4,7 +4,8 @@
 // At one row a projection is bound by reading its weight: int8 is half the bytes of bf16,
 // and the groups are the file's exact weights. Each int8 group is widened to float once and
 // used for every row of x; rows of the weight are split over PyTorch's thread pool.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

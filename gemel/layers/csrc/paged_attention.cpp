@@ -5,7 +5,9 @@
 // One task per (query token, KV head): the GQA query heads that share that KV head are scored
 // together, so each cached key and value row is read once per task. Scores, softmax and the
 // weighted sum are float32. Tasks run on PyTorch's own intra-op thread pool.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
