@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -481,6 +482,251 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
   });
 }
 
+#if defined(__AVX512F__)
+// Prefill in tiles: the query tokens of one sequence are taken up to kTileQueryRows rows
+// (tokens x the GQA heads of one KV head) at a time, and each key and value row of the
+// tile's context is converted to float32 once for all of them, where the per-token tasks
+// above convert it once per token. Scores and value sums are then small matrix products in
+// registers (no horizontal sums), with an online softmax over chunks of kTileKeys keys so
+// the buffers stay the same size for any context length. float32 throughout, like the
+// per-token path; only the order of the sums differs.
+constexpr int64_t kTileQueryRows = 48;  // three vectors of 16 rows
+constexpr int64_t kTileKeys = 256;
+constexpr int64_t kScoreKeys = 8;  // keys scored together in registers
+constexpr float kMaskedScore = -1e30f;  // finite: the kernels are built with -ffast-math
+
+// dst[j * dst_stride + i] = src[i * src_stride + j] for a 16 x 16 block of float32s.
+inline void transpose16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then pairs of pairs: each 128-bit lane holds 4 rows' column
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4 * g + k] now holds, in its 128-bit lane L, column 4 * L + k of rows 4g..4g+3.
+  for (int k = 0; k < 4; ++k) {  // lanes 0 and 2 (t[k]), 1 and 3 (t[k + 4]) of row groups 0, 1; 8..: groups 2, 3
+    t[k] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0x88);
+    t[k + 4] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0xDD);
+    t[k + 8] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0x88);
+    t[k + 12] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0xDD);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4 * L + k: lane L of all four row groups
+    _mm512_storeu_ps(dst + k * dst_stride, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+    _mm512_storeu_ps(dst + (8 + k) * dst_stride, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD));
+    _mm512_storeu_ps(dst + (4 + k) * dst_stride, _mm512_shuffle_f32x4(t[k + 4], t[k + 12], 0x88));
+    _mm512_storeu_ps(dst + (12 + k) * dst_stride, _mm512_shuffle_f32x4(t[k + 4], t[k + 12], 0xDD));
+  }
+}
+
+// 16 float32s stored as T (rounded to nearest even, as static_cast does).
+template <typename T>
+inline void store16(T* dst, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    for (int i = 0; i < 16; ++i) dst[i] = static_cast<T>(f[i]);
+  }
+}
+
+// One cache row (key or value) as head_dim float32s.
+template <typename C>
+inline void cache_row_to_float(const C* head_cache, int64_t slot, int64_t head_dim, float* dst) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const int8_t* row = head_cache + slot * (head_dim + 4);
+    const __m512 scale = _mm512_set1_ps(row_scale(row, head_dim));
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(codes16(row + d), scale));
+  } else {
+    const C* row = head_cache + slot * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, load16(row + d));
+  }
+}
+
+// scores[t * 16 * RV + r] = sum_d keys[t * D + d] * queries_t[d * 16 * RV + r] for t in
+// [0, n), n a multiple of kScoreKeys: query rows across the lanes, kScoreKeys keys at a time.
+template <int RV>
+void tile_scores(const float* queries_t, const float* keys, int64_t n, int64_t head_dim, float* scores) {
+  constexpr int64_t kWidth = 16 * RV;
+  for (int64_t t0 = 0; t0 < n; t0 += kScoreKeys) {
+    __m512 acc[kScoreKeys][RV];
+    for (int k = 0; k < kScoreKeys; ++k)
+      for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
+    const float* key = keys + t0 * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      __m512 q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(queries_t + d * kWidth + 16 * v);
+      for (int k = 0; k < kScoreKeys; ++k) {
+        const __m512 x = _mm512_set1_ps(key[k * head_dim + d]);
+        for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_fmadd_ps(x, q[v], acc[k][v]);
+      }
+    }
+    for (int k = 0; k < kScoreKeys; ++k)
+      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(scores + (t0 + k) * kWidth + 16 * v, acc[k][v]);
+  }
+}
+
+// sums[r * D + d] += sum_t probs[t * width + r] * values[t * D + d] for rows [0, rows), head
+// size 16 * DV: a few rows' sums in registers at a time, each value row loaded once for them.
+template <int DV>
+void tile_value_sums(const float* probs, int64_t width, const float* values, int64_t n, int64_t rows, float* sums) {
+  constexpr int kRowsAtOnce = DV >= 24 ? 1 : 24 / DV;
+  constexpr int64_t kDim = 16 * DV;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsAtOnce) {
+    const int m = static_cast<int>(std::min<int64_t>(kRowsAtOnce, rows - r0));
+    __m512 acc[kRowsAtOnce][DV];
+    for (int i = 0; i < m; ++i)
+      for (int v = 0; v < DV; ++v) acc[i][v] = _mm512_loadu_ps(sums + (r0 + i) * kDim + 16 * v);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 x[DV];
+      for (int v = 0; v < DV; ++v) x[v] = _mm512_loadu_ps(values + t * kDim + 16 * v);
+      const float* p = probs + t * width + r0;
+      for (int i = 0; i < kRowsAtOnce; ++i) {
+        if (i >= m) break;
+        const __m512 pi = _mm512_set1_ps(p[i]);
+        for (int v = 0; v < DV; ++v) acc[i][v] = _mm512_fmadd_ps(pi, x[v], acc[i][v]);
+      }
+    }
+    for (int i = 0; i < m; ++i)
+      for (int v = 0; v < DV; ++v) _mm512_storeu_ps(sums + (r0 + i) * kDim + 16 * v, acc[i][v]);
+  }
+}
+
+inline bool tile_value_sums_for(int64_t head_dim, const float* probs, int64_t width, const float* values, int64_t n,
+                                int64_t rows, float* sums) {
+  switch (head_dim) {
+    case 32: return tile_value_sums<2>(probs, width, values, n, rows, sums), true;
+    case 64: return tile_value_sums<4>(probs, width, values, n, rows, sums), true;
+    case 128: return tile_value_sums<8>(probs, width, values, n, rows, sums), true;
+    case 256: return tile_value_sums<16>(probs, width, values, n, rows, sums), true;
+    default: return false;
+  }
+}
+
+inline bool tiled_prefill_covers(int64_t group, int64_t head_dim) {
+  return group <= kTileQueryRows && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+// Queries b0..b1-1 (one sequence's tokens, kv_slots row `seq`) against KV head h.
+template <typename T, typename C>
+void prefill_tile(const T* q, const C* k_head, const C* v_head, const int64_t* slots, const int64_t* context_lens,
+                  T* out, int64_t b0, int64_t b1, int64_t h, int64_t num_heads, int64_t group, int64_t head_dim,
+                  float scale, int64_t window) {
+  const int64_t rows = (b1 - b0) * group, vectors = (rows + 15) / 16, width = 16 * vectors;
+  const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
+  const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
+  thread_local std::vector<float> queries, queries_t, keys, values, scores, sums;
+  queries.assign(width * head_dim, 0.f), queries_t.resize(head_dim * width);
+  keys.resize(kTileKeys * head_dim), values.resize(kTileKeys * head_dim), scores.resize(kTileKeys * width);
+  sums.assign(rows * head_dim, 0.f);
+  alignas(64) int32_t row_end[kTileQueryRows], row_start[kTileQueryRows];
+  alignas(64) float peak[kTileQueryRows], total[kTileQueryRows];
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t r = 0; r < width; ++r) {  // rows past `rows` see no key
+    row_end[r] = 0, row_start[r] = 0, peak[r] = kMaskedScore, total[r] = 0.f;
+    if (r >= rows) continue;
+    const int64_t b = b0 + r / group, g = r % group, len = context_lens[b];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    row_end[r] = static_cast<int32_t>(len), row_start[r] = static_cast<int32_t>(start);
+    first = std::min(first, start), last = std::max(last, len);
+    const T* qr = q + (b * num_heads + h * group + g) * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 16)
+      _mm512_storeu_ps(queries.data() + r * head_dim + d, _mm512_mul_ps(load16(qr + d), _mm512_set1_ps(scale)));
+  }
+  for (int64_t r = 0; r < width; r += 16)  // query rows across the lanes
+    for (int64_t d = 0; d < head_dim; d += 16)
+      transpose16(queries.data() + r * head_dim + d, head_dim, queries_t.data() + d * width + r, width);
+  for (int64_t c0 = first; c0 < last; c0 += kTileKeys) {
+    const int64_t n = std::min(kTileKeys, last - c0), padded = (n + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + 8 < n) {  // the context's rows lie in scattered 16-slot blocks
+        prefetch_bytes(k_head + slots[c0 + t + 8] * row_width, row_bytes);
+        prefetch_bytes(v_head + slots[c0 + t + 8] * row_width, row_bytes);
+      }
+      cache_row_to_float(k_head, slots[c0 + t], head_dim, keys.data() + t * head_dim);
+      cache_row_to_float(v_head, slots[c0 + t], head_dim, values.data() + t * head_dim);
+    }
+    std::fill(keys.begin() + n * head_dim, keys.begin() + padded * head_dim, 0.f);
+    std::fill(values.begin() + n * head_dim, values.begin() + padded * head_dim, 0.f);
+    switch (vectors) {
+      case 1: tile_scores<1>(queries_t.data(), keys.data(), padded, head_dim, scores.data()); break;
+      case 2: tile_scores<2>(queries_t.data(), keys.data(), padded, head_dim, scores.data()); break;
+      default: tile_scores<3>(queries_t.data(), keys.data(), padded, head_dim, scores.data()); break;
+    }
+    // Each row's keys are [row_start, row_end): the rest of the chunk is masked out.
+    alignas(64) float chunk_peak[kTileQueryRows];
+    std::fill(chunk_peak, chunk_peak + width, kMaskedScore);
+    for (int64_t t = 0; t < padded; ++t) {
+      float* s = scores.data() + t * width;
+      const int32_t position = static_cast<int32_t>(c0 + t);
+#pragma omp simd
+      for (int64_t r = 0; r < width; ++r) {
+        s[r] = position >= row_start[r] && position < row_end[r] ? s[r] : kMaskedScore;
+        chunk_peak[r] = std::max(chunk_peak[r], s[r]);
+      }
+    }
+    // Online softmax: rescale what earlier chunks summed to this chunk's running peak.
+    alignas(64) float rescale[kTileQueryRows];
+#pragma omp simd
+    for (int64_t r = 0; r < width; ++r) {
+      const float updated = std::max(peak[r], chunk_peak[r]);
+      rescale[r] = std::exp(peak[r] - updated);
+      peak[r] = updated;
+      total[r] *= rescale[r];
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      if (rescale[r] != 1.f)
+        for (int64_t d = 0; d < head_dim; ++d) sums[r * head_dim + d] *= rescale[r];
+    for (int64_t t = 0; t < padded; ++t) {
+      float* s = scores.data() + t * width;
+#pragma omp simd
+      for (int64_t r = 0; r < width; ++r) {
+        s[r] = s[r] <= 0.5f * kMaskedScore ? 0.f : std::exp(s[r] - peak[r]);
+        total[r] += s[r];
+      }
+    }
+    tile_value_sums_for(head_dim, scores.data(), width, values.data(), padded, rows, sums.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = b0 + r / group, g = r % group;
+    T* o = out + (b * num_heads + h * group + g) * head_dim;
+    const __m512 inverse = _mm512_set1_ps(total[r] > 0.f ? 1.f / total[r] : 0.f);
+    for (int64_t d = 0; d < head_dim; d += 16)
+      store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r * head_dim + d), inverse));
+  }
+}
+
+// Prefill queries in tiles of consecutive tokens of one sequence, one task per (tile, KV head).
+template <typename T, typename C>
+void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, const int64_t* kv_slots,
+                             const int64_t* token_seq, const int64_t* context_lens, T* out, int64_t batch,
+                             int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
+                             float scale, int64_t window) {
+  const int64_t group = num_heads / num_kv, tokens_per_tile = kTileQueryRows / group;
+  const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
+  std::vector<int64_t> tile_start;
+  for (int64_t b = 0; b < batch; ++b)
+    if (tile_start.empty() || token_seq[b] != token_seq[tile_start.back()] || b - tile_start.back() == tokens_per_tile)
+      tile_start.push_back(b);
+  const int64_t tiles = static_cast<int64_t>(tile_start.size());
+  gemel::parallel_items(tiles * num_kv, [&](int64_t task) {
+    const int64_t tile = task / num_kv, h = task % num_kv;
+    const int64_t b0 = tile_start[tile], b1 = tile + 1 < tiles ? tile_start[tile + 1] : batch;
+    prefill_tile<T, C>(q, k_cache + h * num_slots * row_width, v_cache + h * num_slots * row_width,
+                       kv_slots + token_seq[b0] * max_ctx, context_lens, out, b0, b1, h, num_heads, group, head_dim,
+                       scale, window);
+  });
+}
+#endif
+
 // q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q), or int8 [Hkv, slots,
 // D + 4] (layers/kv_cache.py); kv_slots: [S, max_ctx]
 // int64 cache slots of each sequence's positions 0..len-1; token_seq: [B] int64 row of
@@ -512,6 +758,25 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t batch = qc.size(0), num_heads = qc.size(1), head_dim = qc.size(2);
   const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {
+#if defined(__AVX512F__)
+    if constexpr (kHasLoad16<scalar_t>) {
+      if (row_of != nullptr && tiled_prefill_covers(num_heads / k_cache.size(0), head_dim)) {
+        if (int8_cache)
+          prefill_attention_tiled<scalar_t, int8_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(),
+                                                    v_cache.data_ptr<int8_t>(), slots.data_ptr<int64_t>(), row_of,
+                                                    lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
+                                                    num_heads, k_cache.size(0), head_dim, k_cache.size(1),
+                                                    slots.size(1), static_cast<float>(scale), window);
+        else
+          prefill_attention_tiled<scalar_t, scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                                      v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), row_of,
+                                                      lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
+                                                      num_heads, k_cache.size(0), head_dim, k_cache.size(1),
+                                                      slots.size(1), static_cast<float>(scale), window);
+        return;
+      }
+    }
+#endif
     if (int8_cache) {
       decode_attention<scalar_t, int8_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(),
                                          v_cache.data_ptr<int8_t>(), slots.data_ptr<int64_t>(), row_of,
