@@ -168,14 +168,14 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path, tiny_lla
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 24])
-@pytest.mark.parametrize("dim", [64, 24, 128])
+@pytest.mark.parametrize("dim", [64, 24, 32, 128, 256])
 @pytest.mark.parametrize("kv", ["model", "int8"])
 @pytest.mark.parametrize("heads,num_kv", [(6, 2), (16, 1)], ids=["gqa3", "gqa16"])
 def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, dim, kv, heads, num_kv):
     """Prefill groups through the kernel: each query token against its own causal prefix, for
     whole prompts and for chunks after a cached prefix, mixed with decodes in one step. Head
-    sizes 64 and 128 take the tiled path (tiles of 16 tokens at 3 query heads per KV head, 3
-    at 16; contexts past its 256-key chunks), 24 the per-token one."""
+    sizes 32, 64, 128 and 256 take the tiled path (tiles of 16 tokens at 3 query heads per
+    KV head, 3 at 16; contexts past its 256-key chunks), 24 the per-token one."""
     _kernel_available()
     torch.manual_seed(1)
     num_slots, block = 2048, 16
