@@ -3,8 +3,9 @@
 // sequence) and prefill (each query token of a prompt against its own causal prefix).
 //
 // One task per (query token, KV head): the GQA query heads that share that KV head are scored
-// together, so each cached key and value row is read once per task. Scores, softmax and the
-// weighted sum are float32. Tasks run on PyTorch's own intra-op thread pool.
+// together, so each cached key and value row is read once per task. Prefill on AVX-512 CPUs
+// takes tiles of consecutive tokens instead (prefill_attention_tiled below). Scores, softmax
+// and the weighted sum are float32. Tasks run on PyTorch's own intra-op thread pool.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty_like.h>
@@ -12,8 +13,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -615,7 +616,7 @@ inline bool tiled_prefill_covers(int64_t group, int64_t head_dim) {
   return group <= kTileQueryRows && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
-// Queries b0..b1-1 (one sequence's tokens, kv_slots row `seq`) against KV head h.
+// Queries b0..b1-1 (tokens of one sequence, whose context slots are `slots`) against KV head h.
 template <typename T, typename C>
 void prefill_tile(const T* q, const C* k_head, const C* v_head, const int64_t* slots, const int64_t* context_lens,
                   T* out, int64_t b0, int64_t b1, int64_t h, int64_t num_heads, int64_t group, int64_t head_dim,
