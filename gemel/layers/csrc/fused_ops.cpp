@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "silu.h"
 
 #include <cmath>
 #include <cstring>
@@ -20,9 +21,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -110,49 +108,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-#if defined(__AVX512F__)
-// e^x for 16 float32 lanes, to about one unit in the last place: x = n ln2 + r with |r| <=
-// ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by Cephes' degree-6 polynomial, then
-// scaled by 2^n. The compiler's vectorised std::exp (libmvec) costs about twice as much.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
-// float32 rounded to bf16 (nearest even, as PyTorch rounds), in the top half of each lane.
-inline __m512i round_to_bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
-                          _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-}
-
-// silu(gate) rounded to bf16, times up, rounded to bf16: 16 at a time, the tail masked.
-inline void silu_and_mul_bf16(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t dim) {
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __mmask16 m = dim - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (dim - i)) - 1);
-    const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(m, _mm256_maskz_loadu_epi16(m, gate + i)), 16));
-    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(m, _mm256_maskz_loadu_epi16(m, up + i)), 16));
-    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    __m512 inv = _mm512_rcp14_ps(den);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-    const __m512 silu = _mm512_mul_ps(g, inv);
-    const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(round_to_bf16_bits(silu)), u);
-    _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_bits(product), 16)));
-  }
-}
-#endif
 
 // out = silu(gate) * up for x = [gate | up], with F.silu's result rounded to T first.
 template <typename T>
@@ -162,9 +117,13 @@ void silu_and_mul_rows(const T* in, T* out, int64_t rows, int64_t dim, int64_t s
       const T* gate = in + r * stride;
       const T* up = gate + dim;
       T* o = out + r * dim;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(GEMEL_SILU16)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        silu_and_mul_bf16(gate, up, o, dim);
+        for (int64_t i = 0; i < dim; i += 16) {
+          const __mmask16 m = gemel::first_lanes(dim - i);
+          const __m512 product = gemel::silu_and_mul16(gemel::load_bf16x16(gate + i, m), gemel::load_bf16x16(up + i, m));
+          _mm256_mask_storeu_epi16(o + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16)));
+        }
         continue;
       }
 #endif

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "silu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -57,6 +58,15 @@ void input_row(const T* x, const T* up, int64_t in_features, float* out) {
     for (int64_t i = 0; i < in_features; ++i) out[i] = gemel::to_f<T>(x[i]);
     return;
   }
+#if defined(GEMEL_SILU16)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {  // the silu_and_mul op's own arithmetic
+    for (int64_t i = 0; i < in_features; i += 16) {
+      const __mmask16 m = gemel::first_lanes(in_features - i);
+      _mm512_mask_storeu_ps(out + i, m, gemel::silu_and_mul16(gemel::load_bf16x16(x + i, m), gemel::load_bf16x16(up + i, m)));
+    }
+    return;
+  }
+#endif
 #pragma omp simd
   for (int64_t i = 0; i < in_features; ++i) {
     const float g = gemel::to_f<T>(x[i]);
