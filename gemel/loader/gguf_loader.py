@@ -51,7 +51,7 @@ def _checked_reader_class():
 
     The stock reader makes a memory-mapped numpy view for every element of every array:
     for Gemma 3's 262,144-token vocabulary (tokens, scores, token types) that is 1.3
-    million views and 18 s of a 2-core machine's start-up. Here a number array is one
+    million views and 25 s of a 2-core machine's start-up. Here a number array is one
     view, and a string array is walked with ``struct`` over plain (not memmap) views:
     ``field.contents()`` returns the same values, in well under a second."""
     import struct

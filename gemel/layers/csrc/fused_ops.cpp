@@ -21,7 +21,6 @@
 #include <type_traits>
 #include <vector>
 
-
 namespace {
 
 using gemel::from_f;
@@ -107,7 +106,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   });
   return {sum, out};
 }
-
 
 // out = silu(gate) * up for x = [gate | up], with F.silu's result rounded to T first.
 template <typename T>

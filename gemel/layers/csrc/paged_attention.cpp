@@ -601,19 +601,19 @@ void tile_value_sums(const float* probs, int64_t width, const float* values, int
   }
 }
 
-inline bool tile_value_sums_for(int64_t head_dim, const float* probs, int64_t width, const float* values, int64_t n,
-                                int64_t rows, float* sums) {
-  switch (head_dim) {
-    case 32: return tile_value_sums<2>(probs, width, values, n, rows, sums), true;
-    case 64: return tile_value_sums<4>(probs, width, values, n, rows, sums), true;
-    case 128: return tile_value_sums<8>(probs, width, values, n, rows, sums), true;
-    case 256: return tile_value_sums<16>(probs, width, values, n, rows, sums), true;
-    default: return false;
-  }
-}
-
+// The head sizes tile_value_sums is instantiated for (tile_value_sums_for's cases).
 inline bool tiled_prefill_covers(int64_t group, int64_t head_dim) {
   return group <= kTileQueryRows && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+inline void tile_value_sums_for(int64_t head_dim, const float* probs, int64_t width, const float* values, int64_t n,
+                                int64_t rows, float* sums) {
+  switch (head_dim) {
+    case 32: tile_value_sums<2>(probs, width, values, n, rows, sums); break;
+    case 64: tile_value_sums<4>(probs, width, values, n, rows, sums); break;
+    case 128: tile_value_sums<8>(probs, width, values, n, rows, sums); break;
+    default: tile_value_sums<16>(probs, width, values, n, rows, sums); break;  // 256
+  }
 }
 
 // Queries b0..b1-1 (tokens of one sequence, whose context slots are `slots`) against KV head h.
