@@ -72,6 +72,14 @@ class EngineConfig(BaseModel):
         "AMX (whose bf16 tiles win on prefill-sized calls while the 4-bit weights stream faster in decode steps), "
         "no limit elsewhere",
     )
+    amx_max_rows: int | None = Field(
+        None,
+        ge=0,
+        description="on CPUs with AMX-BF16 (bf16 weights), calls of more rows than the weight-only kernels take and "
+        "up to this many take gemel's AMX tile kernel on a copy of each projection in the tiles' layout (same bf16 "
+        "arithmetic as oneDNN's GEMM, faster at decode batch sizes); default 128 there, 0 turns it off; "
+        "with it, int8_activations only serves calls of more rows than this",
+    )
     packed_max_rows: int | None = Field(
         None,
         ge=0,

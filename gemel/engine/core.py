@@ -22,7 +22,7 @@ from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, prepack_model_, quantize_model_
+from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, AMX_TILE_MAX_ROWS, prepack_model_, quantize_model_
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
 
@@ -51,7 +51,18 @@ class EngineCore:
         int8_act_max_rows = config.int8_act_max_rows
         if int8_act_max_rows is None:  # AMX: bf16 tiles for prefill-sized calls (docs/performance.md, ninth pass)
             int8_act_max_rows = AMX_INT8_ACT_MAX_ROWS if cpu_kernels.has_amx() else None
-        quantize_model_(self.loaded.model, config.weight_quant, packed_rows, int8_activations, int8_act_max_rows)
+        amx_max_rows = config.amx_max_rows
+        amx_ok = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.amx_tiles_available()
+        if amx_max_rows is None:
+            amx_max_rows = AMX_TILE_MAX_ROWS if amx_ok else 0
+        elif amx_max_rows and not amx_ok:
+            log.warning("amx_max_rows needs a CPU with AMX-BF16, bf16 weights and the C++ kernels; not used")
+            amx_max_rows = 0
+        if amx_max_rows and int8_act_max_rows is not None and int8_act_max_rows <= amx_max_rows:
+            int8_activations = False  # every call it would take goes to the AMX tiles (docs/performance.md, eleventh pass)
+        quantize_model_(
+            self.loaded.model, config.weight_quant, packed_rows, int8_activations, int8_act_max_rows, amx_max_rows
+        )
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)

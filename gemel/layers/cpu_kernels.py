@@ -4,7 +4,8 @@ All under ``torch.ops.gemel``: decode and prefill attention that read the paged 
 (``csrc/paged_attention.cpp``), small-batch projections on a weight's own int8 groups
 (``csrc/int8_group_mm.cpp``, GGUF Q8_0) and on 4-bit groups with integer dot products
 (``csrc/int4_group_mm.cpp``, AVX512-VNNI), larger projections on those groups with int8
-activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI), and fused RMSNorm, SiLU-and-mul and rotary
+activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI) and on bf16 weights laid out as AMX tiles
+(``csrc/amx_bf16_gemm.cpp``), and fused RMSNorm, SiLU-and-mul and rotary
 embedding for eager steps (``csrc/fused_ops.cpp``), and greedy sampling's argmax
 (``csrc/argmax.cpp``). They are compiled (one compiler process per source, in parallel) into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
@@ -61,6 +62,12 @@ def has_vnni() -> bool:
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles for bf16, where oneDNN's bf16 GEMMs outrun int8_act_gemm."""
     return "amx_bf16" in _cpu_flags().split()
+
+
+def amx_tiles_available() -> bool:
+    """Whether ``torch.ops.gemel.amx_bf16_gemm`` runs here: a CPU with AMX-BF16, kernels built
+    for it, and the tile state granted to this process by the OS."""
+    return has_amx() and load() and bool(torch.ops.gemel.amx_bf16_gemm_available())
 
 
 def _cache_dir() -> Path:

@@ -13,6 +13,9 @@ kernel at one row.
 On a CPU with oneDNN, bf16 weights are also reordered once into oneDNN's blocked layout
 (``prepack_``): the same kernel family as ``F.linear`` with bitwise-equal results, but
 without re-laying-out the weight on every call, which is 1.2-2x faster at decode sizes.
+On CPUs with AMX, decode-sized calls take gemel's own tile kernel on a copy of the weight
+in AMX's tile layout (``add_amx_tiles_``, ``torch.ops.gemel.amx_bf16_gemm``): the same
+bf16 arithmetic, faster where the weight streams from memory for a few dozen rows.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from gemel.models.weights import Int4Groups, Int8Groups, WeightSource
 # memory) and lose prefill chunks by 1.6-2.6x at 1,024 rows (docs/performance.md, ninth pass).
 AMX_INT8_ACT_MAX_ROWS = 128
 
+# Where a CPU has AMX, gemel's tile kernel serves calls up to this many rows and oneDNN's bf16
+# GEMM larger ones (which it blocks better for prefill chunks; docs/performance.md, eleventh pass).
+AMX_TILE_MAX_ROWS = 128
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b)."""
@@ -51,6 +58,8 @@ class Linear(nn.Module):
         self.int8_act_out_features = 0  # > 0 once add_int8_activation_gemm_() packed the groups
         self.int8_act_zero_point = 0  # w = scale * (codes - this) when > 0 (Q4_0, Q8_0); else low is used
         self.int8_act_max_rows: int | None = None  # larger calls take the bf16 GEMM (None: no limit)
+        self.amx_max_rows = 0  # > 0 once add_amx_tiles_() laid the weight out as AMX tiles
+        self.amx_out_features = 0
 
     @classmethod
     def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
@@ -117,6 +126,17 @@ class Linear(nn.Module):
         self.int8_act_out_features = out_features
         self.int8_act_zero_point = zero_point
         self.int8_act_max_rows = max_rows
+        return True
+
+    def add_amx_tiles_(self, max_rows: int) -> bool:
+        """Lay a CPU bf16 weight out as AMX tiles (``pack_amx_tiles``) for
+        ``torch.ops.gemel.amx_bf16_gemm``, which then serves calls of more rows than the
+        weight-only kernels take, up to ``max_rows``. Returns whether it did."""
+        w = self.weight
+        if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.shape[1] % 32 or max_rows <= 0:
+            return False
+        self._keep(amx_tiles=pack_amx_tiles(w.detach()))
+        self.amx_max_rows, self.amx_out_features = max_rows, w.shape[0]
         return True
 
     def _checkpoint_groups(self, name: str) -> Int4Groups | Int8Groups | None:
@@ -200,9 +220,15 @@ class Linear(nn.Module):
         """Whether a call of this many rows takes the weight-only low-bit kernels."""
         return self.quant is not None and rows <= self.packed_max_rows
 
+    def _amx_rows(self, rows: int) -> bool:
+        """Whether a call of this many rows takes amx_bf16_gemm."""
+        return rows <= self.amx_max_rows and not self._weight_only(rows)
+
     def _int8_act_rows(self, rows: int) -> bool:
         """Whether a call of this many rows takes int8_act_gemm."""
-        return bool(self.int8_act_out_features) and (self.int8_act_max_rows is None or rows <= self.int8_act_max_rows)
+        if not self.int8_act_out_features or self._amx_rows(rows):
+            return False
+        return self.int8_act_max_rows is None or rows <= self.int8_act_max_rows
 
     def _int8_act(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         y = torch.ops.gemel.int8_act_gemm(
@@ -220,6 +246,11 @@ class Linear(nn.Module):
                 y = torch.ops.aten._weight_int8pack_mm(x, self.w_int8, self.w_scales)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
+            return y if self.bias is None else y + self.bias
+        # A torch.compile'd graph keeps the dense weight and inductor's own packed GEMM, which it
+        # fuses with the ops around it (as it does for the oneDNN copy below).
+        if self._amx_rows(x.shape[0]) and not torch.compiler.is_compiling():
+            y = torch.ops.gemel.amx_bf16_gemm(x, self.amx_tiles, self.amx_out_features)
             return y if self.bias is None else y + self.bias
         if self._int8_act_rows(x.shape[0]):
             return self._int8_act(x, gated=False)
@@ -292,15 +323,22 @@ def _by_block(t: torch.Tensor, blocks: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize_model_(
-    model: nn.Module, mode: str, packed_max_rows: int, int8_activations: bool = False, int8_act_max_rows: int | None = None
+    model: nn.Module,
+    mode: str,
+    packed_max_rows: int,
+    int8_activations: bool = False,
+    int8_act_max_rows: int | None = None,
+    amx_max_rows: int = 0,
 ) -> int:
     """Give every projection of ``model`` a low-bit copy (``mode`` as in ``Linear.quantize_``;
-    ``none`` only lets go of the checkpoint), and with ``int8_activations`` the packed groups
-    for larger calls, up to ``int8_act_max_rows`` rows (``Linear.add_int8_activation_gemm_``).
+    ``none`` only lets go of the checkpoint), with ``amx_max_rows`` its AMX tile copy for calls
+    up to that many rows (``Linear.add_amx_tiles_``), and with ``int8_activations`` the packed
+    groups for larger calls, up to ``int8_act_max_rows`` rows (``Linear.add_int8_activation_gemm_``).
     Returns how many were quantised."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
+            module.add_amx_tiles_(amx_max_rows)
             packed_groups = int8_activations and module.add_int8_activation_gemm_(int8_act_max_rows)
             if mode == "none":
                 module.checkpoint_int4 = module.checkpoint_int8 = None
@@ -315,3 +353,14 @@ def quantize_model_(
 def prepack_model_(model: nn.Module, keep_dense: bool = False) -> int:
     """oneDNN-blocked weights for every bf16 projection on CPU; returns how many."""
     return sum(module.prepack_(keep_dense=keep_dense) for module in model.modules() if isinstance(module, Linear))
+
+
+def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] as AMX tiles for ``torch.ops.gemel.amx_bf16_gemm``: rows in
+    blocks of 16 (the last zero-padded), inputs in groups of 32; per block and group one tile
+    of 16 rows x 32 values, row r holding inputs 2r and 2r + 1 of each of the 16 outputs
+    (the pair format of ``tdpbf16ps``)."""
+    out_features, in_features = weight.shape
+    blocks, groups = -(-out_features // 16), in_features // 32
+    w = F.pad(weight.to(torch.bfloat16), (0, 0, 0, blocks * 16 - out_features))
+    return w.view(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512).contiguous()

@@ -7,7 +7,7 @@ import torch
 
 from gemel import LLM, SamplingParams
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, Linear
+from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, AMX_TILE_MAX_ROWS, Linear
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,8 @@ def test_int8_activations_serve_every_projection_close_to_the_dense_model():
     run on the file's groups with no dense copy left, and the next-token choice under teacher
     forcing mostly agrees with the dense bf16 model (x rounded to int8 is llama.cpp's own
     arithmetic: measured 96% against float32, where bf16 reaches 98%)."""
-    fast = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="checkpoint", int8_activations=True)
+    # amx_max_rows=0: on CPUs with AMX the tile kernel would otherwise take every call up to 128 rows
+    fast = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="checkpoint", int8_activations=True, amx_max_rows=0)
     model = fast.engine.core.loaded.model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(projections) == 4 * 30 + 1
@@ -71,3 +72,27 @@ def test_int8_activations_serve_every_projection_close_to_the_dense_model():
     batch = [[{"role": "user", "content": f"Write the number {i} in words."}] for i in range(12)]
     outs = fast.chat(batch, sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)  # decode steps of 12 rows take the GEMM
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_tiles_available(), reason="needs a CPU with AMX-BF16")
+def test_amx_tiles_serve_decode_sized_calls_like_the_bf16_gemm():
+    """On CPUs with AMX every projection gets its tile copy by default, and int8_activations
+    (whose calls up to 128 rows the tiles now take) packs nothing; the logits of calls of up
+    to 128 rows are the bf16 GEMM's up to the order of the sums."""
+    tiles = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="checkpoint", int8_activations=True)
+    projections = [m for m in tiles.engine.core.loaded.model.modules() if isinstance(m, Linear)]
+    assert len(projections) == 4 * 30 + 1
+    assert all(m.amx_max_rows == AMX_TILE_MAX_ROWS and m.int8_act_out_features == 0 for m in projections)
+    dense = LLM("smollm2-135m-instruct", dtype="bfloat16", amx_max_rows=0)
+    assert all(m.amx_max_rows == 0 for m in dense.engine.core.loaded.model.modules() if isinstance(m, Linear))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[{"role": "user", "content": p}] for p in ("Why is the sky blue?", "Who wrote Hamlet?")]
+    agree = total = 0
+    for out in dense.chat(prompts, sampling_params=params):
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        assert len(ids) <= AMX_TILE_MAX_ROWS
+        a, b = tiles.engine.core.prompt_logits(ids), dense.engine.core.prompt_logits(ids)
+        torch.testing.assert_close(a, b, rtol=0, atol=0.05 * b.abs().max().item())
+        agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+        total += len(ids)
+    assert agree / total >= 0.95, (agree, total)

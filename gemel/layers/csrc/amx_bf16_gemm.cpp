@@ -1,0 +1,202 @@
+// y = x W^T for bf16 rows of x on AMX tiles (`tdpbf16ps`), W a bf16 weight laid out as tiles
+// once at load (gemel.layers.linear.pack_amx_tiles).
+//
+// Why: at decode batch sizes a projection streams its whole weight from memory for a few
+// dozen rows of x. oneDNN's bf16 GEMM did that at 0.3-0.4 TFLOP/s on a 2-core Xeon with AMX
+// and int8_act_gemm's 4-bit weights were bound by VNNI's rate; here the weights arrive in
+// the tiles' own layout (one 1 KB tile per 16 outputs x 32 inputs, no reordering at run
+// time), the next output pair's tiles are prefetched into L2 while the current pair
+// computes, and each tile meets every row tile of x while it is in L1.
+//
+// Numerics: the bf16 GEMM's (bf16 inputs, float32 sums, the result rounded to bf16 to
+// nearest even), up to the order of the sums.
+//
+// Tiles: 0-3 hold C (two row tiles of x by two blocks of 16 outputs), 4-5 two row tiles of
+// x (16 rows x 32 inputs), 6-7 two blocks' weights (16 pairs of inputs x 16 outputs, the
+// pair format tdpbf16ps wants). Threads split the outputs in pairs of blocks.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GEMEL_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockRows = 16;
+constexpr int64_t kTileValues = 16 * 32;  // bf16 values in one tile
+
+// Linux hands out AMX's tile state only to processes that ask for it (arch_prctl).
+bool amx_usable() {
+#if defined(GEMEL_AMX)
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+#if defined(GEMEL_AMX)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used here is 16 rows of 64 bytes (16 float32, or 32 bf16 as 16 pairs).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C tiles (float32 16 x 16) -> bf16 rows of y, the rows and outputs that exist.
+inline void store_tile(const float* c, at::BFloat16* y, int64_t ld, int64_t rows, int64_t cols) {
+  const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r));
+    _mm256_mask_storeu_epi16(y + r * ld, mask, (__m256i)v);
+  }
+}
+
+// Rows [m0, m1) of x (whole tiles but the last) against output pairs [pair0, pair1), whose
+// tiles are in L2 or on their way: C tiles 0-3 are rows tiles mt, mt + 1 by the pair's two
+// blocks, one K pass each.
+void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, int64_t in_features,
+               int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t m0, int64_t m1, int64_t pair0,
+               int64_t pair1, bool prefetch) {
+  const int64_t groups = in_features / kGroup, blocks = (out_features + kBlockRows - 1) / kBlockRows;
+  const int64_t stride = in_features * 2;
+  alignas(64) float c[4][256];
+  const auto tile = [&](int64_t pair, int64_t g, int64_t t) { return w + ((2 * pair + t) * groups + g) * kTileValues; };
+  for (int64_t pair = pair0; pair < pair1; ++pair) {
+    const int64_t b0 = 2 * pair, nb = std::min<int64_t>(2, blocks - b0);
+    for (int64_t r = m0; r < m1; r += 32) {
+      const int64_t nm = r + 16 < m1 ? 2 : 1;
+      const auto row_tile = [&](int64_t i) {  // the partial last tile reads the zero-padded copy
+        return r + 16 * i + 16 <= rows ? x + (r + 16 * i) * in_features : x_tail;
+      };
+      const at::BFloat16 *a0 = row_tile(0), *a1 = nm > 1 ? row_tile(1) : nullptr;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t g = 0; g < groups; ++g) {
+        if (prefetch && r == m0 && pair + 1 < pair1) {  // the next pair's weights into L2 while this one computes
+          for (int64_t t = 0; t < nb; ++t) {
+            const char* next = reinterpret_cast<const char*>(tile(pair + 1, g, t));
+            for (int line = 0; line < 1024; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+          }
+        }
+        _tile_loadd(4, a0 + g * kGroup, stride);
+        _tile_loadd(6, tile(pair, g, 0), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb > 1) {
+          _tile_loadd(7, tile(pair, g, 1), 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (nm > 1) {
+          _tile_loadd(5, a1 + g * kGroup, stride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int64_t i = 0; i < nm; ++i) {
+        const int64_t rt = r + 16 * i, nr = std::min<int64_t>(16, rows - rt);
+        for (int64_t t = 0; t < nb; ++t) {
+          const int64_t n0 = (b0 + t) * kBlockRows;
+          store_tile(c[2 * i + t], y + rt * out_features + n0, out_features, nr, std::min<int64_t>(16, out_features - n0));
+        }
+      }
+    }
+  }
+}
+
+// One thread's output pairs [pair0, pair1) for all rows, blocked so that the pairs' weights
+// (a panel of about 256 KB) and a chunk of x's rows stay in L2 while every row tile of the
+// chunk meets every pair of the panel: the weights stream from memory once a call, and
+// at prefill sizes x's chunk is not re-read from L3 for each pair.
+void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, int64_t in_features,
+                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t pair0, int64_t pair1) {
+  constexpr int64_t kPanelBytes = 256 * 1024, kChunkBytes = 256 * 1024;
+  const int64_t pair_bytes = in_features / kGroup * 2 * kTileValues * 2;
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / pair_bytes);
+  const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (in_features * 2) / 32 * 32);
+  configure_tiles();
+  for (int64_t p = pair0; p < pair1; p += panel) {
+    for (int64_t m = 0; m < rows; m += chunk) {
+      tile_pass(x, x_tail, rows, in_features, out_features, w, y, m, std::min(rows, m + chunk), p,
+                std::min(pair1, p + panel), m == 0);
+    }
+  }
+  _tile_release();  // leave no tile state for others on this thread (oneDNN configures its own)
+}
+
+#endif  // GEMEL_AMX
+
+bool amx_bf16_gemm_available() { return amx_usable(); }
+
+// x's last, partial tile of rows as a zero-padded copy (empty when rows % 16 == 0).
+at::Tensor padded_tail(const at::Tensor& xc) {
+  const int64_t rows = xc.size(0), tail_rows = rows % 16;
+  auto tail = at::zeros({tail_rows ? 16 : 0, xc.size(1)}, xc.options());
+  if (tail_rows) tail.narrow(0, 0, tail_rows).copy_(xc.narrow(0, rows - tail_rows, tail_rows));
+  return tail;
+}
+
+at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t out_features) {
+  TORCH_CHECK(amx_usable(), "amx_bf16_gemm needs a CPU with AMX-BF16 and a kernel build for it");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / kGroup;
+  const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
+  TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(w_tiles.scalar_type() == at::kBFloat16 && w_tiles.is_contiguous() && w_tiles.dim() == 3 &&
+                  w_tiles.size(0) == blocks && w_tiles.size(1) == groups && w_tiles.size(2) == kTileValues,
+              "w_tiles: contiguous bf16 [blocks, groups, 512] (pack_amx_tiles)");
+  auto y = at::empty({rows, out_features}, x.options());
+#if defined(GEMEL_AMX)
+  if (rows == 0) return y;
+  const auto xc = x.contiguous();
+  const auto tail = padded_tail(xc);
+  const auto* tp = tail.numel() ? tail.data_ptr<at::BFloat16>() : nullptr;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>());
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    gemm_pairs(xc.data_ptr<at::BFloat16>(), tp, rows, in_features, out_features, wp, y.data_ptr<at::BFloat16>(), p0, p1);
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gemel, m) {
+  m.def("amx_bf16_gemm(Tensor x, Tensor w_tiles, int out_features) -> Tensor");
+  m.def("amx_bf16_gemm_available() -> bool", &amx_bf16_gemm_available);
+}
+
+TORCH_LIBRARY_IMPL(gemel, CPU, m) {
+  m.impl("amx_bf16_gemm", &amx_bf16_gemm);
+}
