@@ -159,11 +159,12 @@ void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows,
 
 bool amx_bf16_gemm_available() { return amx_usable(); }
 
-// x's last, partial tile of rows as a zero-padded copy (empty when rows % 16 == 0).
+// x's last, partial tile of rows as a zero-padded copy (undefined when rows % 16 == 0).
 at::Tensor padded_tail(const at::Tensor& xc) {
   const int64_t rows = xc.size(0), tail_rows = rows % 16;
-  auto tail = at::zeros({tail_rows ? 16 : 0, xc.size(1)}, xc.options());
-  if (tail_rows) tail.narrow(0, 0, tail_rows).copy_(xc.narrow(0, rows - tail_rows, tail_rows));
+  if (tail_rows == 0) return {};
+  auto tail = at::zeros({16, xc.size(1)}, xc.options());
+  tail.narrow(0, 0, tail_rows).copy_(xc.narrow(0, rows - tail_rows, tail_rows));
   return tail;
 }
 
@@ -181,7 +182,7 @@ at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t
   if (rows == 0) return y;
   const auto xc = x.contiguous();
   const auto tail = padded_tail(xc);
-  const auto* tp = tail.numel() ? tail.data_ptr<at::BFloat16>() : nullptr;
+  const auto* tp = tail.defined() ? tail.data_ptr<at::BFloat16>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>());
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     gemm_pairs(xc.data_ptr<at::BFloat16>(), tp, rows, in_features, out_features, wp, y.data_ptr<at::BFloat16>(), p0, p1);
