@@ -45,6 +45,19 @@ def test_amx_gemm_equals_the_bf16_gemm(rows, out_f, in_f):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [33, 64])
+def test_outputs_of_a_megabyte_and_more_are_streamed_alike(rows):
+    """Outputs of 1 MB and more (an LM head's logits) are written with non-temporal stores, a
+    pair of blocks at a time: the same products."""
+    out_f, in_f = 16384, 64
+    assert rows * out_f * 2 >= 2**20
+    w, x = _bf16(out_f, in_f, seed=rows), _bf16(rows, in_f, seed=1)
+    y = torch.ops.gemel.amx_bf16_gemm(x, pack_amx_tiles(w), out_f)
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-3 * exact.abs().max().item())
+
+
+@needs_amx
 def test_amx_gemm_rejects_a_mismatched_layout():
     w, x = _bf16(32, 64, seed=1), _bf16(4, 64, seed=2)
     with pytest.raises(RuntimeError, match="w_tiles"):

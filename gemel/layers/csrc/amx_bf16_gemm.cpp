@@ -69,6 +69,18 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Two C tiles side by side (a pair's 32 outputs, whole) -> bf16 rows of y with non-temporal
+// stores: for outputs larger than the caches (the LM head's logits) this skips reading each
+// line of y before writing it and keeps x and the weights in cache; 64-byte aligned rows.
+inline void stream_pair(const float* c0, const float* c1, at::BFloat16* y, int64_t ld, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_load_ps(c0 + 16 * r));
+    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_load_ps(c1 + 16 * r));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(y + r * ld),
+                        _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)lo), (__m256i)hi, 1));
+  }
+}
+
 // C tiles (float32 16 x 16) -> bf16 rows of y, the rows and outputs that exist.
 inline void store_tile(const float* c, at::BFloat16* y, int64_t ld, int64_t rows, int64_t cols) {
   const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -78,12 +90,12 @@ inline void store_tile(const float* c, at::BFloat16* y, int64_t ld, int64_t rows
   }
 }
 
-// Rows [m0, m1) of x (whole tiles but the last) against output pairs [pair0, pair1), whose
-// tiles are in L2 or on their way: C tiles 0-3 are rows tiles mt, mt + 1 by the pair's two
-// blocks, one K pass each.
+// Rows [m0, m1) of x (whole tiles but the last) against output pairs [pair0, pair1): C tiles
+// 0-3 are two row tiles by the pair's two blocks, one K pass each. While the first row tiles
+// meet a pair, the tiles of the next pair below `prefetch_end` are fetched into L2.
 void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, int64_t in_features,
                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t m0, int64_t m1, int64_t pair0,
-               int64_t pair1, bool prefetch) {
+               int64_t pair1, int64_t prefetch_end, bool stream) {
   const int64_t groups = in_features / kGroup, blocks = (out_features + kBlockRows - 1) / kBlockRows;
   const int64_t stride = in_features * 2;
   alignas(64) float c[4][256];
@@ -101,8 +113,8 @@ void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, 
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t g = 0; g < groups; ++g) {
-        if (prefetch && r == m0 && pair + 1 < pair1) {  // the next pair's weights into L2 while this one computes
-          for (int64_t t = 0; t < nb; ++t) {
+        if (r == m0 && pair + 1 < prefetch_end) {
+          for (int64_t t = 0; t < std::min<int64_t>(2, blocks - b0 - 2); ++t) {
             const char* next = reinterpret_cast<const char*>(tile(pair + 1, g, t));
             for (int line = 0; line < 1024; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
           }
@@ -126,6 +138,10 @@ void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, 
       _tile_stored(3, c[3], 64);
       for (int64_t i = 0; i < nm; ++i) {
         const int64_t rt = r + 16 * i, nr = std::min<int64_t>(16, rows - rt);
+        if (stream && nb == 2) {
+          stream_pair(c[2 * i], c[2 * i + 1], y + rt * out_features + b0 * kBlockRows, out_features, nr);
+          continue;
+        }
         for (int64_t t = 0; t < nb; ++t) {
           const int64_t n0 = (b0 + t) * kBlockRows;
           store_tile(c[2 * i + t], y + rt * out_features + n0, out_features, nr, std::min<int64_t>(16, out_features - n0));
@@ -140,7 +156,7 @@ void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, 
 // chunk meets every pair of the panel: the weights stream from memory once a call, and
 // at prefill sizes x's chunk is not re-read from L3 for each pair.
 void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, int64_t in_features,
-                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t pair0, int64_t pair1) {
+                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t pair0, int64_t pair1, bool stream) {
   constexpr int64_t kPanelBytes = 256 * 1024, kChunkBytes = 256 * 1024;
   const int64_t pair_bytes = in_features / kGroup * 2 * kTileValues * 2;
   const int64_t panel = std::max<int64_t>(1, kPanelBytes / pair_bytes);
@@ -148,10 +164,13 @@ void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows,
   configure_tiles();
   for (int64_t p = pair0; p < pair1; p += panel) {
     for (int64_t m = 0; m < rows; m += chunk) {
+      // The first chunk of rows reads the panel from memory: prefetch across the panel's end
+      // too, so the next panel's first pair is on its way.
       tile_pass(x, x_tail, rows, in_features, out_features, w, y, m, std::min(rows, m + chunk), p,
-                std::min(pair1, p + panel), m == 0);
+                std::min(pair1, p + panel), m == 0 ? pair1 : 0, stream);
     }
   }
+  if (stream) _mm_sfence();  // the streamed rows are visible before the call returns
   _tile_release();  // leave no tile state for others on this thread (oneDNN configures its own)
 }
 
@@ -184,8 +203,14 @@ at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t
   const auto tail = padded_tail(xc);
   const auto* tp = tail.defined() ? tail.data_ptr<at::BFloat16>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>());
+  // Stream outputs of 1 MB and more (whole pairs, 64-byte aligned rows): the logits of the LM
+  // head at decode sizes; smaller ones stay in cache for the op that reads them next.
+  constexpr int64_t kStreamBytes = 1 << 20;
+  const bool stream = rows * out_features * 2 >= kStreamBytes && out_features % 32 == 0 &&
+                      reinterpret_cast<uintptr_t>(y.data_ptr()) % 64 == 0;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    gemm_pairs(xc.data_ptr<at::BFloat16>(), tp, rows, in_features, out_features, wp, y.data_ptr<at::BFloat16>(), p0, p1);
+    gemm_pairs(xc.data_ptr<at::BFloat16>(), tp, rows, in_features, out_features, wp, y.data_ptr<at::BFloat16>(), p0, p1,
+               stream);
   });
 #endif
   return y;
