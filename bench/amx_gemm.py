@@ -8,11 +8,13 @@ microseconds per call.
 
 Decode steps (``--engine-batch B``): one engine with the throughput settings and B
 sequences of 128 prompt tokens decoding; every step switches all projections between the
-tiles and int8_act_gemm, so both see the same contexts and the same machine; prints the
-median step time of each.
+tiles and int8_act_gemm (or, with ``--steps-compare fused-silu``, each MLP between the tile
+kernel writing silu(gate) * up itself and the plain tiles followed by the silu_and_mul op),
+so both see the same contexts and the same machine; prints the median step time of each.
 
     python bench/amx_gemm.py --rows 16 32 64 128
     python bench/amx_gemm.py --rows --engine-batch 32 64
+    python bench/amx_gemm.py --rows --engine-batch 32 64 --steps-compare fused-silu
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ def projections(rows_list: list[int]) -> None:
             print(f"{rows:5d} {name:>10} {us['amx']:10.0f} {us['onednn']:10.0f} {us['int8']:10.0f}")
 
 
-def engine_steps(batch: int, steps: int) -> None:
+def engine_steps(batch: int, steps: int, compare: str) -> None:
+    import gemel.models.llama as llama
     from gemel import LLM, SamplingParams
-    from gemel.layers.linear import Linear
+    from gemel.layers.linear import Linear, gated_mlp
 
     llm = LLM("smollm2-135m-instruct", dtype="bfloat16", num_threads=2, max_num_seqs=batch,
               max_num_batched_tokens=2048, weight_quant="checkpoint", int8_activations=True,
@@ -80,11 +83,14 @@ def engine_steps(batch: int, steps: int) -> None:
                                params=SamplingParams(temperature=0, max_tokens=2 * steps + 16, ignore_eos=True))
     while core.scheduler.waiting or any(s.num_output_tokens == 0 for s in core.scheduler.running):
         llm.engine.step()  # the prefill
-    times: dict[str, list[float]] = {"amx tiles": [], "int8_act": []}
+    names = ["amx tiles", "int8_act"] if compare == "int8-act" else ["fused silu", "separate silu"]
+    times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(2 * steps):
-        name = "amx tiles" if i % 2 == 0 else "int8_act"
+        name = names[i % 2]
         for m in linears:
-            m.amx_max_rows = tile_rows if name == "amx tiles" else 0
+            m.amx_max_rows = 0 if name == "int8_act" else tile_rows
+        # the separate path: gate/up tiles in output order, then the silu_and_mul op
+        llama.gated_mlp = (lambda g, d, h: d.forward_gated(g(h))) if name == "separate silu" else gated_mlp
         start = time.perf_counter()
         llm.engine.step()
         times[name].append((time.perf_counter() - start) * 1e3)
@@ -98,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="*", default=[16, 32, 64, 128], help="rows of x per projection call")
     p.add_argument("--engine-batch", type=int, nargs="*", default=[], help="decode batch sizes to time in the engine")
     p.add_argument("--steps", type=int, default=30, help="decode steps per kernel")
+    p.add_argument("--steps-compare", choices=["int8-act", "fused-silu"], default="int8-act",
+                   help="what the decode steps alternate: the tiles vs int8_act_gemm, or the MLP's silu fused into the tiles or not")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not cpu_kernels.amx_tiles_available():
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     projections(args.rows)
     for batch in args.engine_batch:
-        engine_steps(batch, args.steps)
+        engine_steps(batch, args.steps, args.steps_compare)
     return 0
 
 

@@ -40,6 +40,9 @@ AMX_INT8_ACT_MAX_ROWS = 128
 # GEMM larger ones (which it blocks better for prefill chunks; docs/performance.md, eleventh pass).
 AMX_TILE_MAX_ROWS = 128
 
+# amx_bf16_gemm's `gated` argument: what the tiles' output pairs hold and what a call writes.
+AMX_PLAIN, AMX_GATE_UP, AMX_SILU_MUL = 0, 1, 2
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b)."""
@@ -60,6 +63,9 @@ class Linear(nn.Module):
         self.int8_act_max_rows: int | None = None  # larger calls take the bf16 GEMM (None: no limit)
         self.amx_max_rows = 0  # > 0 once add_amx_tiles_() laid the weight out as AMX tiles
         self.amx_out_features = 0
+        self.amx_layout = AMX_PLAIN  # AMX_GATE_UP: tiles pair each gate block with its up block
+        # Set by a model whose output is a gated MLP's [gate | up] halves (silu(gate) * up follows).
+        self.gate_up = False
 
     @classmethod
     def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
@@ -131,12 +137,16 @@ class Linear(nn.Module):
     def add_amx_tiles_(self, max_rows: int) -> bool:
         """Lay a CPU bf16 weight out as AMX tiles (``pack_amx_tiles``) for
         ``torch.ops.gemel.amx_bf16_gemm``, which then serves calls of more rows than the
-        weight-only kernels take, up to ``max_rows``. Returns whether it did."""
+        weight-only kernels take, up to ``max_rows``. A gated MLP's gate/up projection pairs
+        each gate block with its up block, so that ``gated_mlp`` gets silu(gate) * up from the
+        kernel itself. Returns whether it did."""
         w = self.weight
         if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.shape[1] % 32 or max_rows <= 0:
             return False
-        self._keep(amx_tiles=pack_amx_tiles(w.detach()))
+        gate_up = self.gate_up and self.bias is None and w.shape[0] % 32 == 0
+        self._keep(amx_tiles=pack_amx_tiles(w.detach(), gate_up=gate_up))
         self.amx_max_rows, self.amx_out_features = max_rows, w.shape[0]
+        self.amx_layout = AMX_GATE_UP if gate_up else AMX_PLAIN
         return True
 
     def _checkpoint_groups(self, name: str) -> Int4Groups | Int8Groups | None:
@@ -250,7 +260,7 @@ class Linear(nn.Module):
         # A torch.compile'd graph keeps the dense weight and inductor's own packed GEMM, which it
         # fuses with the ops around it (as it does for the oneDNN copy below).
         if self._amx_rows(x.shape[0]) and not torch.compiler.is_compiling():
-            y = torch.ops.gemel.amx_bf16_gemm(x, self.amx_tiles, self.amx_out_features)
+            y = torch.ops.gemel.amx_bf16_gemm(x, self.amx_tiles, self.amx_out_features, self.amx_layout)
             return y if self.bias is None else y + self.bias
         if self._int8_act_rows(x.shape[0]):
             return self._int8_act(x, gated=False)
@@ -265,6 +275,16 @@ class Linear(nn.Module):
         if self._int8_act_rows(gate_up.shape[0]) and not self._weight_only(gate_up.shape[0]):
             return self._int8_act(gate_up, gated=True)
         return self(torch.ops.gemel.silu_and_mul(gate_up))
+
+
+def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` with ``gate, up`` the halves of ``gate_up(h)`` (fused CPU
+    path). Where the call takes gate_up's AMX tiles, the tile kernel writes silu(gate) * up
+    itself (the same bits as the silu_and_mul op on its output, one op and one pass over
+    [rows, 2 I] fewer); elsewhere ``down.forward_gated`` fuses what its kernel can."""
+    if gate_up.amx_layout == AMX_GATE_UP and gate_up._amx_rows(h.shape[0]) and not torch.compiler.is_compiling():
+        return down(torch.ops.gemel.amx_bf16_gemm(h, gate_up.amx_tiles, gate_up.amx_out_features, AMX_SILU_MUL))
+    return down.forward_gated(gate_up(h))
 
 
 def pack_int4_rows(groups: Int4Groups) -> torch.Tensor:
@@ -355,12 +375,17 @@ def prepack_model_(model: nn.Module, keep_dense: bool = False) -> int:
     return sum(module.prepack_(keep_dense=keep_dense) for module in model.modules() if isinstance(module, Linear))
 
 
-def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
+def pack_amx_tiles(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """A bf16 weight [out, in] as AMX tiles for ``torch.ops.gemel.amx_bf16_gemm``: rows in
     blocks of 16 (the last zero-padded), inputs in groups of 32; per block and group one tile
     of 16 rows x 32 values, row r holding inputs 2r and 2r + 1 of each of the 16 outputs
-    (the pair format of ``tdpbf16ps``)."""
+    (the pair format of ``tdpbf16ps``). With ``gate_up`` (a gated MLP's [gate | up] weight,
+    out a multiple of 32) the blocks go gate 0, up 0, gate 1, up 1, ..."""
     out_features, in_features = weight.shape
+    if gate_up:
+        if out_features % 32:
+            raise ValueError(f"gate/up tiles need out_features a multiple of 32, got {out_features}")
+        weight = weight.view(2, out_features // 32, 16, in_features).transpose(0, 1).reshape(out_features, in_features)
     blocks, groups = -(-out_features // 16), in_features // 32
     w = F.pad(weight.to(torch.bfloat16), (0, 0, 0, blocks * 16 - out_features))
     return w.view(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512).contiguous()

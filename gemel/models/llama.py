@@ -10,7 +10,7 @@ from gemel.layers import fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_llama
 from gemel.layers.kv_cache import is_int8
-from gemel.layers.linear import Linear
+from gemel.layers.linear import Linear, gated_mlp
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from gemel.models.config import ModelArchConfig
 from gemel.models.weights import WeightSource
@@ -28,6 +28,7 @@ class LlamaLayer(nn.Module):
         self.qkv_proj = Linear.load(w, [p + f"self_attn.{n}.weight" for n in names], biases)
         self.o_proj = Linear.load(w, [p + "self_attn.o_proj.weight"])
         self.gate_up_proj = Linear.load(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        self.gate_up_proj.gate_up = True  # silu(gate) * up follows: its AMX tiles can fuse it
         self.down_proj = Linear.load(w, [p + "mlp.down_proj.weight"])
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
@@ -66,7 +67,7 @@ class LlamaLayer(nn.Module):
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
         x, h = fused.add_rms_norm_llama(x, self.o_proj(attn), self.post_attn_norm, cfg.rms_norm_eps)
-        return x, self.down_proj.forward_gated(self.gate_up_proj(h))
+        return x, gated_mlp(self.gate_up_proj, self.down_proj, h)
 
 
 class LlamaForCausalLM(nn.Module):

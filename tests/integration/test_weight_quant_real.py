@@ -7,7 +7,7 @@ import torch
 
 from gemel import LLM, SamplingParams
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, AMX_TILE_MAX_ROWS, Linear
+from gemel.layers.linear import AMX_GATE_UP, AMX_INT8_ACT_MAX_ROWS, AMX_TILE_MAX_ROWS, Linear
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,10 @@ def test_amx_tiles_serve_decode_sized_calls_like_the_bf16_gemm():
     projections = [m for m in tiles.engine.core.loaded.model.modules() if isinstance(m, Linear)]
     assert len(projections) == 4 * 30 + 1
     assert all(m.amx_max_rows == AMX_TILE_MAX_ROWS and m.int8_act_out_features == 0 for m in projections)
+    # each MLP's gate/up tiles pair gate and up blocks, so its kernel writes silu(gate) * up itself
+    layers = tiles.engine.core.loaded.model.layers
+    assert all(layer.gate_up_proj.amx_layout == AMX_GATE_UP for layer in layers)
+    assert sum(m.amx_layout == AMX_GATE_UP for m in projections) == len(layers) == 30
     dense = LLM("smollm2-135m-instruct", dtype="bfloat16", amx_max_rows=0)
     assert all(m.amx_max_rows == 0 for m in dense.engine.core.loaded.model.modules() if isinstance(m, Linear))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

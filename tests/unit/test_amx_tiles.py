@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import Linear, pack_amx_tiles, quantize_model_
+from gemel.layers.linear import AMX_GATE_UP, AMX_PLAIN, AMX_SILU_MUL, Linear, gated_mlp, pack_amx_tiles, quantize_model_
 from gemel.models.weights import Int4Groups
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_tiles_available(), reason="needs a CPU with AMX-BF16")
@@ -27,6 +27,68 @@ def test_tile_layout():
     for b, g, r, n, p in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 2, 15, 7, 1), (2, 1, 3, 7, 0), (0, 2, 9, 15, 1)]:
         assert torch.equal(tiles[b, g, 32 * r + 2 * n + p], w[16 * b + n, 32 * g + 2 * r + p])
     assert not tiles[2].view(3, 16, 16, 2)[:, :, 8:].any()  # outputs 40..47 are padding
+
+
+def test_gate_up_tiles_pair_each_gate_block_with_its_up_block():
+    """pack_amx_tiles(gate_up=True) on a [gate | up] weight (I = 48 outputs each): blocks go
+    gate 0, up 0, gate 1, up 1, gate 2, up 2, each laid out like a plain tile."""
+    w = _bf16(96, 64, seed=4)
+    tiles, plain = pack_amx_tiles(w, gate_up=True), pack_amx_tiles(w)
+    assert tiles.shape == plain.shape == (6, 2, 512)
+    for j in range(3):
+        assert torch.equal(tiles[2 * j], plain[j]) and torch.equal(tiles[2 * j + 1], plain[3 + j])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_amx_tiles(_bf16(80, 64, seed=5), gate_up=True)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 17, 64, 300])
+@pytest.mark.parametrize("out_f, in_f", [(96, 64), (3072, 576)])
+def test_gate_up_tiles_give_the_plain_product_and_silu_mul_bit_for_bit(rows, out_f, in_f):
+    """From gate/up tiles the kernel writes x W^T in output order (AMX_GATE_UP) with the same
+    bits as from plain tiles, or silu(gate) * up (AMX_SILU_MUL) with the same bits as the
+    silu_and_mul op on that product: partial row tiles, several chunks of rows."""
+    w, x = _bf16(out_f, in_f, seed=rows) * 2, _bf16(rows, in_f, seed=out_f)
+    plain = torch.ops.gemel.amx_bf16_gemm(x, pack_amx_tiles(w), out_f, AMX_PLAIN)
+    tiles = pack_amx_tiles(w, gate_up=True)
+    assert torch.equal(torch.ops.gemel.amx_bf16_gemm(x, tiles, out_f, AMX_GATE_UP), plain)
+    fused = torch.ops.gemel.amx_bf16_gemm(x, tiles, out_f, AMX_SILU_MUL)
+    assert fused.shape == (rows, out_f // 2)
+    assert torch.equal(fused, torch.ops.gemel.silu_and_mul(plain))
+
+
+@needs_amx
+def test_silu_mul_tiles_reject_what_they_cannot_pair():
+    x = _bf16(4, 64, seed=2)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.gemel.amx_bf16_gemm(x, pack_amx_tiles(_bf16(48, 64, seed=1)), 48, AMX_SILU_MUL)
+    with pytest.raises(RuntimeError, match="gated"):
+        torch.ops.gemel.amx_bf16_gemm(x, pack_amx_tiles(_bf16(64, 64, seed=1)), 64, 3)
+
+
+@needs_amx
+def test_gated_mlp_takes_the_fused_tiles_for_the_calls_they_serve():
+    """A gate/up projection marked as such gets gate/up tiles; gated_mlp then feeds
+    silu(gate) * up from its tile kernel to the down projection for calls up to amx_max_rows
+    and runs gate_up, silu_and_mul and down one by one above: both equal the unfused layer."""
+    assert cpu_kernels.load()
+    gate_up, down = Linear(_bf16(128, 64, seed=9) * 4), Linear(_bf16(64, 64, seed=10))
+    gate_up.gate_up = True
+    reference = [Linear(gate_up.weight.data.clone()), Linear(down.weight.data.clone())]
+    assert gate_up.add_amx_tiles_(8) and down.add_amx_tiles_(8)
+    assert gate_up.amx_layout == AMX_GATE_UP and down.amx_layout == AMX_PLAIN
+    for rows in (1, 8, 9, 20):
+        h = _bf16(rows, 64, seed=rows)
+        assert torch.equal(gate_up(h), reference[0](h)), rows  # plain calls keep the output order
+        expected = down(torch.ops.gemel.silu_and_mul(gate_up(h)))
+        with torch.profiler.profile() as prof:
+            got = gated_mlp(gate_up, down, h)
+        assert torch.equal(got, expected), rows
+        separate_silu = any(e.name == "gemel::silu_and_mul" for e in prof.events())
+        assert separate_silu == (rows > 8), rows
+    biased = Linear(_bf16(128, 64, seed=9), bias=_bf16(128, seed=11))
+    biased.gate_up = True
+    assert biased.add_amx_tiles_(8) and biased.amx_layout == AMX_PLAIN  # the bias is added after the product
 
 
 @needs_amx

@@ -14,11 +14,19 @@
 // Tiles: 0-3 hold C (two row tiles of x by two blocks of 16 outputs), 4-5 two row tiles of
 // x (16 rows x 32 inputs), 6-7 two blocks' weights (16 pairs of inputs x 16 outputs, the
 // pair format tdpbf16ps wants). Threads split the outputs in pairs of blocks.
+//
+// A gated MLP's fused gate/up projection can be laid out with its blocks interleaved (gate
+// block j, then up block j: pack_amx_tiles(..., gate_up=True)), so that each pair holds the
+// gate and the up values of the same 16 outputs: the pair's C tiles then give
+// silu(gate) * up directly (rounded as the silu_and_mul op rounds the GEMM's bf16 output, so
+// the bits are the same), and the [rows, 2 I] product is never written nor read again.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "silu.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,6 +43,13 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
 constexpr int64_t kTileValues = 16 * 32;  // bf16 values in one tile
+
+// What the output pairs of w_tiles hold and what a call writes (the op's `gated` argument).
+enum Layout : int64_t {
+  kPlain = 0,         // blocks in output order; y = x W^T
+  kGateUpHalves = 1,  // blocks interleaved gate j, up j; y = x W^T in output order [gate | up]
+  kSiluMul = 2,       // the same tiles; y = silu(gate) * up, [rows, out_features / 2]
+};
 
 // Linux hands out AMX's tile state only to processes that ask for it (arch_prctl).
 bool amx_usable() {
@@ -81,6 +96,18 @@ inline void stream_pair(const float* c0, const float* c1, at::BFloat16* y, int64
   }
 }
 
+// A pair's C tiles as gate and up values (16 outputs) -> bf16 rows of silu(gate) * up: each
+// rounded to bf16 first, as the GEMM's output would be, then silu_and_mul's own arithmetic.
+inline void store_silu_mul(const float* gate, const float* up, at::BFloat16* y, int64_t ld, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 g = _mm512_castsi512_ps(gemel::round_to_bf16_bits(_mm512_load_ps(gate + 16 * r)));
+    const __m512 u = _mm512_castsi512_ps(gemel::round_to_bf16_bits(_mm512_load_ps(up + 16 * r)));
+    const __m512 product = gemel::silu_and_mul16(g, u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ld),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16)));
+  }
+}
+
 // C tiles (float32 16 x 16) -> bf16 rows of y, the rows and outputs that exist.
 inline void store_tile(const float* c, at::BFloat16* y, int64_t ld, int64_t rows, int64_t cols) {
   const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -95,9 +122,9 @@ inline void store_tile(const float* c, at::BFloat16* y, int64_t ld, int64_t rows
 // meet a pair, the tiles of the next pair below `prefetch_end` are fetched into L2.
 void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, int64_t in_features,
                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t m0, int64_t m1, int64_t pair0,
-               int64_t pair1, int64_t prefetch_end, bool stream) {
+               int64_t pair1, int64_t prefetch_end, bool stream, Layout layout) {
   const int64_t groups = in_features / kGroup, blocks = (out_features + kBlockRows - 1) / kBlockRows;
-  const int64_t stride = in_features * 2;
+  const int64_t stride = in_features * 2, half = out_features / 2;
   alignas(64) float c[4][256];
   const auto tile = [&](int64_t pair, int64_t g, int64_t t) { return w + ((2 * pair + t) * groups + g) * kTileValues; };
   for (int64_t pair = pair0; pair < pair1; ++pair) {
@@ -138,6 +165,15 @@ void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, 
       _tile_stored(3, c[3], 64);
       for (int64_t i = 0; i < nm; ++i) {
         const int64_t rt = r + 16 * i, nr = std::min<int64_t>(16, rows - rt);
+        if (layout == kSiluMul) {
+          store_silu_mul(c[2 * i], c[2 * i + 1], y + rt * half + pair * kBlockRows, half, nr);
+          continue;
+        }
+        if (layout == kGateUpHalves) {
+          store_tile(c[2 * i], y + rt * out_features + pair * kBlockRows, out_features, nr, 16);
+          store_tile(c[2 * i + 1], y + rt * out_features + half + pair * kBlockRows, out_features, nr, 16);
+          continue;
+        }
         if (stream && nb == 2) {
           stream_pair(c[2 * i], c[2 * i + 1], y + rt * out_features + b0 * kBlockRows, out_features, nr);
           continue;
@@ -156,7 +192,8 @@ void tile_pass(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, 
 // chunk meets every pair of the panel: the weights stream from memory once a call, and
 // at prefill sizes x's chunk is not re-read from L3 for each pair.
 void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows, int64_t in_features,
-                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t pair0, int64_t pair1, bool stream) {
+                int64_t out_features, const uint16_t* w, at::BFloat16* y, int64_t pair0, int64_t pair1, bool stream,
+                Layout layout) {
   constexpr int64_t kPanelBytes = 256 * 1024, kChunkBytes = 256 * 1024;
   const int64_t pair_bytes = in_features / kGroup * 2 * kTileValues * 2;
   const int64_t panel = std::max<int64_t>(1, kPanelBytes / pair_bytes);
@@ -167,7 +204,7 @@ void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows,
       // The first chunk of rows reads the panel from memory: prefetch across the panel's end
       // too, so the next panel's first pair is on its way.
       tile_pass(x, x_tail, rows, in_features, out_features, w, y, m, std::min(rows, m + chunk), p,
-                std::min(pair1, p + panel), m == 0 ? pair1 : 0, stream);
+                std::min(pair1, p + panel), m == 0 ? pair1 : 0, stream, layout);
     }
   }
   if (stream) _mm_sfence();  // the streamed rows are visible before the call returns
@@ -187,7 +224,7 @@ at::Tensor padded_tail(const at::Tensor& xc) {
   return tail;
 }
 
-at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t out_features) {
+at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t out_features, int64_t gated) {
   TORCH_CHECK(amx_usable(), "amx_bf16_gemm needs a CPU with AMX-BF16 and a kernel build for it");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
   const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / kGroup;
@@ -196,7 +233,11 @@ at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t
   TORCH_CHECK(w_tiles.scalar_type() == at::kBFloat16 && w_tiles.is_contiguous() && w_tiles.dim() == 3 &&
                   w_tiles.size(0) == blocks && w_tiles.size(1) == groups && w_tiles.size(2) == kTileValues,
               "w_tiles: contiguous bf16 [blocks, groups, 512] (pack_amx_tiles)");
-  auto y = at::empty({rows, out_features}, x.options());
+  TORCH_CHECK(gated >= kPlain && gated <= kSiluMul, "gated: 0 (plain), 1 (gate/up halves) or 2 (silu(gate) * up)");
+  const auto layout = static_cast<Layout>(gated);
+  TORCH_CHECK(layout == kPlain || out_features % 32 == 0,
+              "gate/up tiles need out_features a multiple of 32 (pack_amx_tiles(..., gate_up=True))");
+  auto y = at::empty({rows, layout == kSiluMul ? out_features / 2 : out_features}, x.options());
 #if defined(GEMEL_AMX)
   if (rows == 0) return y;
   const auto xc = x.contiguous();
@@ -206,11 +247,11 @@ at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t
   // Stream outputs of 1 MB and more (whole pairs, 64-byte aligned rows): the logits of the LM
   // head at decode sizes; smaller ones stay in cache for the op that reads them next.
   constexpr int64_t kStreamBytes = 1 << 20;
-  const bool stream = rows * out_features * 2 >= kStreamBytes && out_features % 32 == 0 &&
+  const bool stream = layout == kPlain && rows * out_features * 2 >= kStreamBytes && out_features % 32 == 0 &&
                       reinterpret_cast<uintptr_t>(y.data_ptr()) % 64 == 0;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     gemm_pairs(xc.data_ptr<at::BFloat16>(), tp, rows, in_features, out_features, wp, y.data_ptr<at::BFloat16>(), p0, p1,
-               stream);
+               stream, layout);
   });
 #endif
   return y;
@@ -219,7 +260,7 @@ at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
-  m.def("amx_bf16_gemm(Tensor x, Tensor w_tiles, int out_features) -> Tensor");
+  m.def("amx_bf16_gemm(Tensor x, Tensor w_tiles, int out_features, int gated=0) -> Tensor");
   m.def("amx_bf16_gemm_available() -> bool", &amx_bf16_gemm_available);
 }
 

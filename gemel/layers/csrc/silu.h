@@ -13,12 +13,20 @@
 
 namespace gemel {
 
+// Multiply, add and subtract as the compiler's opaque builtins: with -ffast-math it may
+// reassociate the plain vector operators behind _mm512_mul_ps and friends differently in each
+// function they are inlined into, and a 1-ulp change in the SiLU moves a product that lies
+// near a bf16 rounding boundary to the next bf16 value; these keep every caller's bits equal.
+inline __m512 mul16(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_CUR_DIRECTION); }
+inline __m512 add16(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_CUR_DIRECTION); }
+inline __m512 sub16(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, _MM_FROUND_CUR_DIRECTION); }
+
 // e^x for 16 float32 lanes, to about one unit in the last place: x = n ln2 + r with |r| <=
 // ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by Cephes' degree-6 polynomial, then
 // scaled by 2^n. The compiler's vectorised std::exp (libmvec) costs about twice as much.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(mul16(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -28,7 +36,7 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  const __m512 y = add16(_mm512_fmadd_ps(p, mul16(r, r), r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
 
@@ -48,11 +56,11 @@ inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 m) {
 // round_bf16(round_bf16(silu(g)) * u) as float32 lanes; the division by a reciprocal with one
 // Newton step.
 inline __m512 silu_and_mul16(__m512 g, __m512 u) {
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  const __m512 den = add16(_mm512_set1_ps(1.f), exp16(sub16(_mm512_setzero_ps(), g)));
   __m512 inv = _mm512_rcp14_ps(den);
-  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-  const __m512 silu = _mm512_castsi512_ps(round_to_bf16_bits(_mm512_mul_ps(g, inv)));
-  return _mm512_castsi512_ps(round_to_bf16_bits(_mm512_mul_ps(silu, u)));
+  inv = mul16(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  const __m512 silu = _mm512_castsi512_ps(round_to_bf16_bits(mul16(g, inv)));
+  return _mm512_castsi512_ps(round_to_bf16_bits(mul16(silu, u)));
 }
 
 // The lanes of the first `count` (at most 16) elements.
