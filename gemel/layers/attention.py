@@ -44,9 +44,10 @@ class AttentionGroup:
     # how many keys it sees (position + 1), for the C++ kernel.
     token_seq: torch.Tensor | None = None
     token_context_lens: torch.Tensor | None = None
-    # Decode only: (first row, count) when the group's queries are consecutive rows of the
-    # step, as in a plain decode step; the kernel then reads them in place, no gather.
-    query_slice: tuple[int, int] | None = None
+    # (first row, count) when token_rows are consecutive rows of the step, as in a plain
+    # decode step, or a prefill group after the step's decodes: the kernels then read the
+    # queries in place and the output is copied into one slice, with no gather nor scatter.
+    token_slice: tuple[int, int] | None = None
 
 
 @dataclass
@@ -95,8 +96,8 @@ def build_group(
         ctx_len_np[b] = len(slots)
         valid_rows.extend(range(b * max_q, b * max_q + n))
         token_rows.extend(rows)
-    first_rows = query_index_np[:, 0]
-    consecutive = max_q == 1 and bool((np.diff(first_rows) == 1).all())
+    rows_np = np.asarray(token_rows, dtype=np.int64)
+    consecutive = rows_np.size > 0 and bool((np.diff(rows_np) == 1).all())
     query_index, kv_slots = torch.from_numpy(query_index_np), torch.from_numpy(kv_slots_np)
     q_pos, ctx_len = torch.from_numpy(q_pos_np), torch.from_numpy(ctx_len_np)
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
@@ -131,7 +132,7 @@ def build_group(
         sliding_window=sliding_window or 0,
         token_seq=None if is_decode else _sequence_of_each_token(seq_rows).to(device),
         token_context_lens=None if is_decode else (q_pos.view(-1)[valid_rows] + 1).to(device),
-        query_slice=(int(first_rows[0]), batch) if consecutive else None,
+        token_slice=(int(rows_np[0]), int(rows_np.size)) if consecutive else None,
     )
 
 
@@ -165,7 +166,10 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
         o = _group_attention(q, k_cache, v_cache, group, scale, use_sliding_window, gqa, kernel)
-        out.index_copy_(0, group.token_rows, o)
+        if group.token_slice:
+            out.narrow(0, *group.token_slice).copy_(o)
+        else:
+            out.index_copy_(0, group.token_rows, o)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -236,7 +240,7 @@ def _decode_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_sli
         return _cascade_decode_attention(q, k_cache, v_cache, group, scale)
     if kernel and _kernel_reads(q, k_cache):
         window = group.sliding_window if use_sliding_window else 0
-        queries = q.narrow(0, *group.query_slice) if group.query_slice else q[group.query_index[:, 0]]
+        queries = q.narrow(0, *group.token_slice) if group.token_slice else q[group.query_index[:, 0]]
         return torch.ops.gemel.paged_decode_attention(
             queries, k_cache, v_cache, group.kv_slots, group.context_lens, scale, window
         )
@@ -259,7 +263,7 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_slid
     if kernel and _kernel_reads(q, k_cache):
         window = group.sliding_window if use_sliding_window else 0
         return torch.ops.gemel.paged_prefill_attention(
-            q[group.token_rows], k_cache, v_cache, group.kv_slots, group.token_seq, group.token_context_lens,
+            q.narrow(0, *group.token_slice) if group.token_slice else q[group.token_rows], k_cache, v_cache, group.kv_slots, group.token_seq, group.token_context_lens,
             scale, window,
         )
     batch, max_q = group.query_index.shape

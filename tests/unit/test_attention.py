@@ -114,7 +114,7 @@ def test_decode_queries_read_in_place_only_when_consecutive():
         group = build_group([range(r, r + 1) for r in rows], [[len(c) - 1] for c in contexts], contexts, None, cpu)
         meta = AttentionMetadata(slot_mapping=torch.tensor([c[-1] for c in contexts]), groups=[group],
                                  num_tokens=5, decode_kernel=True)
-        return group.query_slice, paged_attention(queries, None, None, k_cache, v_cache, meta, scale=0.125)
+        return group.token_slice, paged_attention(queries, None, None, k_cache, v_cache, meta, scale=0.125)
 
     in_place, a = run([1, 2, 3], q)
     shuffled = q.clone()
@@ -122,7 +122,43 @@ def test_decode_queries_read_in_place_only_when_consecutive():
     gathered, b = run([3, 1, 4], shuffled)
     assert in_place == (1, 3) and gathered is None
     torch.testing.assert_close(b[[3, 1, 4]], a[[1, 2, 3]])
-    assert build_group([range(0, 2)], [[0, 1]], [[0, 1]], None, cpu).query_slice is None  # prefill
+    # prefill groups: a slice when their token rows are consecutive (after the step's decodes)
+    assert build_group([range(3, 5), range(5, 8)], [[0, 1], [0, 1, 2]], [[0, 1], [2, 3, 4]], None, cpu).token_slice == (3, 5)
+    assert build_group([range(0, 2), range(3, 5)], [[0, 1], [0, 1]], [[0, 1], [2, 3]], None, cpu).token_slice is None
+
+
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_mixed_step_places_each_group_by_its_slice(kv):
+    """A step of two decodes (rows 0-1) and a 5-token prefill (rows 2-6): each group's
+    queries are read, and its output written, as one slice of the step's rows; the same
+    result as the PyTorch path, and as the gather/scatter a shuffled row order needs."""
+    _kernel_available()
+    torch.manual_seed(2)
+    cpu = torch.device("cpu")
+    k_cache = _cache(torch.randn(2, 128, 64), torch.float32, kv)
+    v_cache = _cache(torch.randn(2, 128, 64), torch.float32, kv)
+    q = torch.randn(7, 4, 64)
+    contexts = [list(range(0, 9)), list(range(16, 20)), list(range(32, 37))]
+
+    def step(decode_rows, prefill_rows, kernel):
+        groups = [build_group([range(r, r + 1) for r in decode_rows], [[8], [3]], contexts[:2], None, cpu),
+                  build_group([prefill_rows], [list(range(5))], contexts[2:], None, cpu)]
+        slots = torch.zeros(7, dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=slots, groups=groups, num_tokens=7, decode_kernel=kernel)
+        return [g.token_slice for g in groups], paged_attention(q, None, None, k_cache, v_cache, meta, scale=0.125)
+
+    slices, kernel_out = step([0, 1], range(2, 7), kernel=True)
+    assert slices == [(0, 2), (2, 5)]
+    _, torch_out = step([0, 1], range(2, 7), kernel=False)
+    torch.testing.assert_close(kernel_out, torch_out, atol=1e-5, rtol=1e-5)
+    # the same queries with the decodes at rows 0 and 6 around the prefill: gathered and scattered
+    order = [0, 6, 1, 2, 3, 4, 5]  # new row of each old row
+    moved = torch.empty_like(q)
+    moved[order] = q
+    q = moved
+    slices, moved_out = step([0, 6], range(1, 6), kernel=True)
+    assert slices == [None, (1, 5)]
+    torch.testing.assert_close(moved_out[order], kernel_out)
 
 
 def test_engine_with_decode_kernel_matches_torch_path(tiny_model_dir):
