@@ -24,7 +24,7 @@ from gemel.api.inputs import build_params, check_gemini_base64, gemini_messages,
 from gemel.api.lifecycle import Deadline, collect, first_output, guarded
 from gemel.api.state import ServedModel, ServerState, mark_model, state_of
 from gemel.api.structured import gemini_spec
-from gemel.embeddings.encoder import truncate
+from gemel.embeddings.vectors import truncate
 from gemel.engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
 from gemel.sampling_params import SamplingParams
 

@@ -60,7 +60,7 @@ from gemel.api.lifecycle import Deadline
 from gemel.api.middleware import child_traceparent
 from gemel.api.state import ServedModel, ServerState
 from gemel.config import GrpcConfig
-from gemel.embeddings.encoder import truncate
+from gemel.embeddings.vectors import truncate
 from gemel.engine.output_processor import RequestOutput
 from gemel.gateway.principal import Principal
 

@@ -28,7 +28,7 @@ from gemel.api.inputs import build_params, openai_messages
 from gemel.api.structured import openai_spec
 from gemel.api.lifecycle import Collector, Deadline, collect, first_output, guarded
 from gemel.api.state import ServedModel, mark_model, state_of
-from gemel.embeddings.encoder import truncate
+from gemel.embeddings.vectors import truncate
 from gemel.engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
 from gemel.sampling_params import SamplingParams
 

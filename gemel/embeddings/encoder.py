@@ -26,14 +26,6 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def truncate(vectors: torch.Tensor, dims: int | None) -> torch.Tensor:
-    """Keep the first ``dims`` components and re-normalise (what Gemini's outputDimensionality
-    and OpenAI's ``dimensions`` do)."""
-    if dims is None or dims == vectors.shape[1]:
-        return vectors
-    return F.normalize(vectors[:, :dims], p=2, dim=1)
-
-
 class SentenceEncoder:
     def __init__(self, path: str, num_threads: int | None = None, batch_size: int = 32):
         self.path = path

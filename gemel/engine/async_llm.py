@@ -46,9 +46,9 @@ class RequestRejected(ValueError):
 def load_tokenizer(source: str) -> tuple[Tokenizer, int]:
     """The model's tokenizer and context size, read without loading its weights."""
     from gemel.loader import sources
-    from gemel.loader.model_loader import load_arch_and_tokenizer
+    from gemel.loader.model_loader import read_arch_and_tokenizer
 
-    arch, tokenizer, *_ = load_arch_and_tokenizer(sources.resolve(source))
+    arch, tokenizer = read_arch_and_tokenizer(sources.resolve(source))
     return tokenizer, arch.max_position_embeddings
 
 

@@ -19,8 +19,10 @@ import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the API process validates specs without loading torch (hundreds of MB)
+    import torch
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark")
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

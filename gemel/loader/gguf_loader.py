@@ -11,11 +11,18 @@ import os
 import re
 import warnings
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from gemel.models.config import ModelArchConfig
-from gemel.models.weights import Int4Groups, Int8Groups
+
+# torch is imported where tensors are made: the API process reads the metadata and the
+# tokenizer from here and should not load it (model_loader.read_arch_and_tokenizer).
+if TYPE_CHECKING:
+    import torch
+
+    from gemel.models.weights import Int4Groups, Int8Groups
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -216,6 +223,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def tensor_factories(reader, cfg: ModelArchConfig) -> dict:
     """HF name -> zero-argument function producing the tensor (float32 for quantised types)."""
+    import torch
     from gguf import GGMLQuantizationType, quants
 
     plain = {
@@ -252,6 +260,7 @@ def _stored_group_factories(reader, cfg: ModelArchConfig, block_bytes: dict, dec
     ``block_bytes``, with their sizes) and turning them into groups with ``decode(type,
     blocks)``, blocks shaped [out, in / 32, bytes]; q/k rows are un-permuted as for the
     dense weights."""
+    import torch
 
     def make(t):
         def load():
@@ -284,7 +293,10 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
     A packed int4 kernel fed these computes with exactly the file's weights, which is what
     llama.cpp does with them, instead of re-quantising a dequantised copy.
     """
+    import torch
     from gguf import GGMLQuantizationType
+
+    from gemel.models.weights import Int4Groups
 
     def decode(kind, blocks: np.ndarray) -> Int4Groups:
         scale = _block_scales(blocks, 0)
@@ -304,7 +316,10 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
 def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
     """HF name -> function producing the tensor's own int8 groups, for Q8_0 tensors (blocks
     of 32 along the input dimension: one float16 scale d, 32 int8 q, w = d q)."""
+    import torch
     from gguf import GGMLQuantizationType
+
+    from gemel.models.weights import Int8Groups
 
     def decode(kind, blocks: np.ndarray) -> Int8Groups:
         q = blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1)

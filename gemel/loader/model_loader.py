@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from gemel.loader import sources
 from gemel.loader.tokenizer import Tokenizer
 from gemel.models.config import ModelArchConfig
-from gemel.models.weights import WeightSource
+
+if TYPE_CHECKING:  # torch loads with the weights (load_model), not with the metadata
+    import torch
 
 
 @dataclass
@@ -36,15 +37,29 @@ def model_class(architecture: str):
 def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict, dict, dict]:
     """Architecture, tokenizer, dense tensor factories and (GGUF only) the factories of the
     tensors stored as 4-bit and as int8 groups."""
+    return _read(path, with_weights=True)
+
+
+def read_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer]:
+    """Architecture and tokenizer only: what the API process needs, read without the weights'
+    factories and without loading torch (about 180 MB of the process's memory)."""
+    arch, tokenizer, *_ = _read(path, with_weights=False)
+    return arch, tokenizer
+
+
+def _read(path: str, with_weights: bool) -> tuple[ModelArchConfig, Tokenizer, dict, dict, dict]:
     if os.path.isdir(path):
         from gemel.loader import safetensors_loader
 
         arch = safetensors_loader.arch_config(path)
-        return arch, Tokenizer.from_pretrained_dir(path), safetensors_loader.tensor_factories(path, arch), {}, {}
+        factories = safetensors_loader.tensor_factories(path, arch) if with_weights else {}
+        return arch, Tokenizer.from_pretrained_dir(path), factories, {}, {}
     from gemel.loader import gguf_loader
 
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.arch_config(reader, path)
+    if not with_weights:
+        return arch, Tokenizer.from_gguf(reader, path), {}, {}, {}
     return (
         arch,
         Tokenizer.from_gguf(reader, path),
@@ -55,6 +70,10 @@ def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict
 
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
+    import torch
+
+    from gemel.models.weights import WeightSource
+
     path = sources.resolve(source)
     arch, tokenizer, factories, int4_factories, int8_factories = load_arch_and_tokenizer(path)
     weights = WeightSource(factories, dtype, device, origin=path, int4_factories=int4_factories,

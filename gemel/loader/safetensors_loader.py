@@ -11,17 +11,17 @@ import mmap
 import os
 import struct
 
-import torch
-
 from gemel.models.config import ModelArchConfig
 
+# safetensors dtype -> torch dtype name; torch itself is imported where tensors are made, so
+# that reading a checkpoint's config (the API process) does not load it.
 _DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
 }
 _ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -90,6 +90,8 @@ def arch_config(directory: str) -> ModelArchConfig:
 
 def _index_file(path: str) -> dict:
     """name -> factory for one .safetensors file."""
+    import torch
+
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         try:
@@ -106,9 +108,9 @@ def _index_file(path: str) -> dict:
         start, end = info["data_offsets"]
         if base + end > size:
             raise SafetensorsLoadError(f"{path}: tensor {name!r} is truncated (needs {base + end} bytes, file has {size})")
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
+        if info["dtype"] not in _DTYPES:
             raise SafetensorsLoadError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        dtype = getattr(torch, _DTYPES[info["dtype"]])
 
         def load(start=start, end=end, dtype=dtype, shape=tuple(info["shape"])):
             count = (end - start) // torch.empty((), dtype=dtype).element_size()
