@@ -262,9 +262,9 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, scale, use_slid
         return _decode_attention(q, k_cache, v_cache, group, scale, use_sliding_window, kernel)
     if kernel and _kernel_reads(q, k_cache):
         window = group.sliding_window if use_sliding_window else 0
+        queries = q.narrow(0, *group.token_slice) if group.token_slice else q[group.token_rows]
         return torch.ops.gemel.paged_prefill_attention(
-            q.narrow(0, *group.token_slice) if group.token_slice else q[group.token_rows], k_cache, v_cache, group.kv_slots, group.token_seq, group.token_context_lens,
-            scale, window,
+            queries, k_cache, v_cache, group.kv_slots, group.token_seq, group.token_context_lens, scale, window
         )
     batch, max_q = group.query_index.shape
     qg = q[group.query_index].transpose(1, 2)  # [B, Hq, max_q, D]
