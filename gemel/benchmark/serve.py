@@ -311,11 +311,30 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
             key = key.strip().lower()
             if not sep or key not in SLO_KEYS:
                 raise ValueError(f"bad --goodput item {part!r}: expected one of {', '.join(SLO_KEYS)} as KEY:MS")
-            ms = float(value)
-            if ms < 0:
-                raise ValueError(f"bad --goodput item {part!r}: negative SLO")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"bad --goodput item {part!r}: MS must be a number of milliseconds") from None
+            if ms < 0 or math.isnan(ms):
+                raise ValueError(f"bad --goodput item {part!r}: the SLO must be 0 ms or more")
             slos[key] = ms
     return slos
+
+
+def parse_percentiles(text: str) -> list[float]:
+    """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``; each in (0, 100]."""
+    out = []
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        try:
+            p = float(part)
+        except ValueError:
+            raise ValueError(f"bad --metric-percentiles item {part.strip()!r}: expected numbers such as 50,90,99") from None
+        if not 0 < p <= 100:
+            raise ValueError(f"bad --metric-percentiles item {part.strip()!r}: percentiles lie in (0, 100]")
+        out.append(p)
+    return out
 
 
 def _percentile(values: Sequence[float], p: float) -> float:
@@ -501,7 +520,7 @@ def make_prompts(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> t
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the arguments describe; return the result dict (also what --result-json holds)."""
     goodput = parse_goodput(args.goodput)
-    percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p.strip()]
+    percentiles = parse_percentiles(args.metric_percentiles)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     prompts, warm = make_prompts(args, tokenizer)
     extra = json.loads(args.extra_body) if args.extra_body else None
@@ -590,27 +609,44 @@ def format_table(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
+def _bounded(kind: type, low: float, inclusive: bool = True, what: str = ""):
+    """An argparse type: ``kind`` values of at least ``low`` (above it when not inclusive)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if math.isnan(value) or value < low or (not inclusive and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'at least' if inclusive else 'above'} {low}{what}, got {text}")
+        return value
+
+    return parse
+
+
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    positive, count = _bounded(int, 1), _bounded(int, 0)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     parser.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     parser.add_argument("--model", default=None, help="model id to request (default: the first of GET /v1/models)")
     parser.add_argument("--label", default=None, help="a name for this run, kept in the results")
     parser.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--random-input-len", type=int, default=128, help="random: prompt tokens")
-    parser.add_argument("--random-output-len", type=int, default=128, help="output tokens (both datasets)")
-    parser.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: shared system prompt tokens")
-    parser.add_argument("--suffix-len", type=int, default=16, help="shared-prefix: distinct tokens per request")
+    parser.add_argument("--num-prompts", type=positive, default=100)
+    parser.add_argument("--random-input-len", type=positive, default=128, help="random: prompt tokens")
+    parser.add_argument("--random-output-len", type=positive, default=128, help="output tokens (both datasets)")
+    parser.add_argument("--prefix-len", type=count, default=1000, help="shared-prefix: shared system prompt tokens")
+    parser.add_argument("--suffix-len", type=positive, default=16, help="shared-prefix: distinct tokens per request")
     parser.add_argument("--tokenizer", default=None,
                         help="GGUF file, HF dir or packaged model name; prompts are then text of exact length")
     parser.add_argument("--prompt-format", default="auto", choices=["auto", "ids", "text"],
                         help="auto: text with --tokenizer or the chat endpoint, else token-id lists")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="token ids are drawn from [100, this) (default: the tokenizer's, else 32000)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
+    parser.add_argument("--max-concurrency", type=positive, default=None, help="requests in flight at most")
+    parser.add_argument("--request-rate", type=_bounded(float, 0, inclusive=False, what=" (inf: all at once)"),
+                        default=float("inf"),
                         help="requests/s: inf sends all at t=0, else Poisson arrivals (default inf)")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
+    parser.add_argument("--burstiness", type=_bounded(float, 0, inclusive=False), default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
@@ -618,8 +654,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     parser.add_argument("--extra-body", default=None, help="JSON merged into every request body")
-    parser.add_argument("--num-warmups", type=int, default=1, help="short unmeasured requests sent first")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    parser.add_argument("--num-warmups", type=count, default=1, help="short unmeasured requests sent first")
+    parser.add_argument("--timeout", type=_bounded(float, 0, inclusive=False), default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--keep-alive", action="store_true",
                         help="reuse connections between requests (default: a fresh connection per request)")
     parser.add_argument("--result-json", default=None, help="write the results here")

@@ -84,9 +84,27 @@ def test_parse_goodput():
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     assert parse_goodput(["e2el:1000,ttft:2"]) == {"e2el": 1000.0, "ttft": 2.0}
     assert parse_goodput(None) == {}
-    for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["ttft:abc"]):
-        with pytest.raises(ValueError):
+    for bad, why in ((["itl:5"], "expected one of"), (["ttft"], "expected one of"), (["ttft:-1"], "0 ms or more"),
+                     (["ttft:abc"], "must be a number"), (["ttft:nan"], "0 ms or more")):
+        with pytest.raises(ValueError, match=why):
             parse_goodput(bad)
+
+
+def test_percentiles_and_bad_arguments_are_refused_with_what_is_wrong(capsys):
+    assert serve.parse_percentiles("50, 90,99.9") == [50.0, 90.0, 99.9]
+    for bad, why in (("50,abc", "expected numbers"), ("0,99", r"in \(0, 100\]"), ("101", r"in \(0, 100\]")):
+        with pytest.raises(ValueError, match=why):
+            serve.parse_percentiles(bad)
+    parser = serve.build_parser()
+    assert parser.parse_args(["--request-rate", "inf"]).request_rate == math.inf
+    assert parser.parse_args(["--request-rate", "2.5", "--max-concurrency", "4"]).max_concurrency == 4
+    for argv, why in ((["--request-rate", "0"], "must be above 0"), (["--request-rate", "-1"], "must be above 0"),
+                      (["--request-rate", "fast"], "invalid float value"), (["--max-concurrency", "0"], "at least 1"),
+                      (["--num-prompts", "-3"], "at least 1"), (["--num-warmups", "-1"], "at least 0"),
+                      (["--burstiness", "0"], "must be above 0"), (["--random-output-len", "0"], "at least 1")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert why in capsys.readouterr().err, argv
 
 
 def test_empty_and_percentiles_match_numpy():
