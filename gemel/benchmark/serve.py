@@ -321,6 +321,19 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     return slos
 
 
+def parse_extra_body(text: str | None) -> dict[str, Any] | None:
+    """``--extra-body``: a JSON object merged into every request body."""
+    if not text:
+        return None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--extra-body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 def parse_percentiles(text: str) -> list[float]:
     """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``; each in (0, 100]."""
     out = []
@@ -523,7 +536,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     percentiles = parse_percentiles(args.metric_percentiles)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     prompts, warm = make_prompts(args, tokenizer)
-    extra = json.loads(args.extra_body) if args.extra_body else None
+    extra = parse_extra_body(args.extra_body)
     metrics, results = asyncio.run(run_benchmark(
         prompts,
         base_url=args.base_url,
@@ -670,10 +683,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         return 2
     print(format_table(result))
     if args.result_json:
-        d = os.path.dirname(os.path.abspath(args.result_json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            d = os.path.dirname(os.path.abspath(args.result_json))
+            os.makedirs(d, exist_ok=True)
+            with open(args.result_json, "w") as f:
+                json.dump(result, f, indent=2)
+        except OSError as e:  # the table above still holds the results
+            print(f"gemel bench serve: could not write --result-json: {e}", file=sys.stderr)
+            return 2
     return 0 if result["completed"] > 0 else 1
 
 

@@ -95,6 +95,10 @@ def test_percentiles_and_bad_arguments_are_refused_with_what_is_wrong(capsys):
     for bad, why in (("50,abc", "expected numbers"), ("0,99", r"in \(0, 100\]"), ("101", r"in \(0, 100\]")):
         with pytest.raises(ValueError, match=why):
             serve.parse_percentiles(bad)
+    assert serve.parse_extra_body('{"top_p": 0.9}') == {"top_p": 0.9} and serve.parse_extra_body(None) is None
+    for bad, why in (("{bad", "not JSON"), ("[1, 2]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=why):
+            serve.parse_extra_body(bad)
     parser = serve.build_parser()
     assert parser.parse_args(["--request-rate", "inf"]).request_rate == math.inf
     assert parser.parse_args(["--request-rate", "2.5", "--max-concurrency", "4"]).max_concurrency == 4
@@ -334,6 +338,17 @@ def test_end_to_end_random_ids(tmp_path):
     assert len(r["requests"]) == 6 and all(len(q["itl"]) == 4 for q in r["requests"])
     table = serve.format_table(r)
     assert "Serving Benchmark Result" in table and "P99 ITL (ms):" in table and "Request goodput" in table
+
+
+def test_an_unwritable_result_json_is_reported_after_the_table(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with StubServer() as stub:
+        rc = serve.main(["--base-url", stub.url, "--num-prompts", "2", "--random-output-len", "2",
+                         "--result-json", str(blocker / "r.json")])  # a directory that is a file
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert "Serving Benchmark Result" in captured.out and "could not write --result-json" in captured.err
 
 
 def test_keep_alive_reuses_connections():
