@@ -622,7 +622,7 @@ def format_table(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def _bounded(kind: type, low: float, inclusive: bool = True, what: str = ""):
+def bounded(kind: type, low: float, inclusive: bool = True, what: str = ""):
     """An argparse type: ``kind`` values of at least ``low`` (above it when not inclusive)."""
 
     def parse(text: str):
@@ -638,7 +638,7 @@ def _bounded(kind: type, low: float, inclusive: bool = True, what: str = ""):
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    positive, count = _bounded(int, 1), _bounded(int, 0)
+    positive, count = bounded(int, 1), bounded(int, 0)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     parser.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     parser.add_argument("--model", default=None, help="model id to request (default: the first of GET /v1/models)")
@@ -656,10 +656,10 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="token ids are drawn from [100, this) (default: the tokenizer's, else 32000)")
     parser.add_argument("--max-concurrency", type=positive, default=None, help="requests in flight at most")
-    parser.add_argument("--request-rate", type=_bounded(float, 0, inclusive=False, what=" (inf: all at once)"),
+    parser.add_argument("--request-rate", type=bounded(float, 0, inclusive=False, what=" (inf: all at once)"),
                         default=float("inf"),
                         help="requests/s: inf sends all at t=0, else Poisson arrivals (default inf)")
-    parser.add_argument("--burstiness", type=_bounded(float, 0, inclusive=False), default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
+    parser.add_argument("--burstiness", type=bounded(float, 0, inclusive=False), default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
@@ -668,7 +668,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     parser.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     parser.add_argument("--num-warmups", type=count, default=1, help="short unmeasured requests sent first")
-    parser.add_argument("--timeout", type=_bounded(float, 0, inclusive=False), default=600.0, help="per-request timeout, seconds")
+    parser.add_argument("--timeout", type=bounded(float, 0, inclusive=False), default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--keep-alive", action="store_true",
                         help="reuse connections between requests (default: a fresh connection per request)")
     parser.add_argument("--result-json", default=None, help="write the results here")
