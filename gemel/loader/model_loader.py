@@ -58,11 +58,12 @@ def _read(path: str, with_weights: bool) -> tuple[ModelArchConfig, Tokenizer, di
 
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.arch_config(reader, path)
+    tokenizer = Tokenizer.from_gguf(reader, path)
     if not with_weights:
-        return arch, Tokenizer.from_gguf(reader, path), {}, {}, {}
+        return arch, tokenizer, {}, {}, {}
     return (
         arch,
-        Tokenizer.from_gguf(reader, path),
+        tokenizer,
         gguf_loader.tensor_factories(reader, arch),
         gguf_loader.int4_group_factories(reader, arch),
         gguf_loader.int8_group_factories(reader, arch),
