@@ -211,7 +211,8 @@ def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, di
     """Prefill groups through the kernel: each query token against its own causal prefix, for
     whole prompts and for chunks after a cached prefix, mixed with decodes in one step. Head
     sizes 32, 64, 128 and 256 take the tiled path (tiles of 16 tokens at 3 query heads per
-    KV head, 3 at 16; contexts past its 256-key chunks), 24 the per-token one."""
+    KV head, 3 at 16; contexts past its 256-key chunks; with bf16 on a CPU with AMX, the
+    tile-instruction version, 32 and 6 tokens a tile), 24 the per-token one."""
     _kernel_available()
     torch.manual_seed(1)
     num_slots, block = 2048, 16

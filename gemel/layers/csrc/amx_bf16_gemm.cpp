@@ -26,17 +26,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "silu.h"
 
 #include <algorithm>
 #include <cstdint>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define GEMEL_AMX 1
-#endif
 
 namespace {
 
@@ -51,38 +45,11 @@ enum Layout : int64_t {
   kSiluMul = 2,       // the same tiles; y = silu(gate) * up, [rows, out_features / 2]
 };
 
-// Linux hands out AMX's tile state only to processes that ask for it (arch_prctl).
-bool amx_usable() {
-#if defined(GEMEL_AMX)
-  static const bool granted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-#else
-  return false;
-#endif
-}
+using gemel::amx_usable;
 
 #if defined(GEMEL_AMX)
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile used here is 16 rows of 64 bytes (16 float32, or 32 bf16 as 16 pairs).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+using gemel::configure_tiles;
 
 // Two C tiles side by side (a pair's 32 outputs, whole) -> bf16 rows of y with non-temporal
 // stores: for outputs larger than the caches (the LM head's logits) this skips reading each

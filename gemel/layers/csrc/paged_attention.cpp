@@ -4,8 +4,10 @@
 //
 // One task per (query token, KV head): the GQA query heads that share that KV head are scored
 // together, so each cached key and value row is read once per task. Prefill on AVX-512 CPUs
-// takes tiles of consecutive tokens instead (prefill_attention_tiled below). Scores, softmax
-// and the weighted sum are float32. Tasks run on PyTorch's own intra-op thread pool.
+// takes tiles of consecutive tokens instead (prefill_attention_tiled below), on AMX tiles
+// where the CPU has them and the queries are bf16. Scores, softmax and the weighted sum are
+// float32 (on AMX: products of bf16 values summed in float32). Tasks run on PyTorch's own
+// intra-op thread pool.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty_like.h>
@@ -19,7 +21,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
+#include "silu.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -705,13 +709,213 @@ void prefill_tile(const T* q, const C* k_head, const C* v_head, const int64_t* s
   }
 }
 
+#if defined(GEMEL_AMX)
+// Prefill in tiles on AMX (bf16 queries, bf16 or int8 caches): the same tasks as
+// prefill_tile, with the two products on tdpbf16ps instead of float32 FMAs: scores from the
+// bf16 queries and keys, the softmax in float32 (online, over chunks of kAmxKeys keys), the
+// probabilities rounded to bf16 for the weighted sum of the values (as PyTorch's bf16 flash
+// attention rounds them), sums in float32. A task takes up to 96 query rows, twice the float32
+// path's, since its keys and values are converted and laid out as tiles once per task. A
+// 64-token chunk against a 2,000-token context (SmolLM2's 9 query and 3 KV heads): 2.8 ms a
+// layer on float32 FMAs, 1.5 ms here; 16 prompts of 128 tokens: 5.7 ms, 3.2 ms.
+//
+// Tiles: 0-3 hold C (16 rows x 16 keys of scores, or 16 rows x 16 dims of the value sums),
+// 4 the A operand (16 query rows x 32 dims, or 16 rows x 32 keys of probabilities), 6-7 B
+// (keys as 16 dim pairs x 16 keys; values as 16 key pairs x 16 dims).
+constexpr int64_t kAmxKeys = 256;  // keys per chunk, a multiple of 32
+constexpr int64_t kAmxTileRows = 96;  // query rows a task takes: six A tiles' worth
+
+// 16 bf16 (as uint16) rows of 32 keys x 2 pairs: lanes interleaved [a0, b0, a1, b1, ...].
+inline __m512i interleave16(const uint16_t* a, const uint16_t* b) {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(order), both);
+}
+
+// One cache row as head_dim bf16 values (int8 rows decoded, then rounded to nearest even).
+template <typename C>
+inline void cache_row_to_bf16(const C* head_cache, int64_t slot, int64_t head_dim, uint16_t* dst) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const int8_t* row = head_cache + slot * (head_dim + 4);
+    const __m512 scale = _mm512_set1_ps(row_scale(row, head_dim));
+    for (int64_t d = 0; d < head_dim; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(codes16(row + d), scale)));
+  } else {
+    std::memcpy(dst, head_cache + slot * head_dim, head_dim * sizeof(uint16_t));
+  }
+}
+
+template <typename C>
+void prefill_tile_amx(const at::BFloat16* q, const C* k_head, const C* v_head, const int64_t* slots,
+                      const int64_t* context_lens, at::BFloat16* out, int64_t b0, int64_t b1, int64_t h,
+                      int64_t num_heads, int64_t group, int64_t head_dim, float scale, int64_t window) {
+  const int64_t rows = (b1 - b0) * group, blocks = (rows + 15) / 16;
+  const int64_t dim_pairs = head_dim / 32, dim_blocks = head_dim / 16;
+  const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
+  const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
+  thread_local std::vector<uint16_t> queries, keys, values, packed_keys, packed_values, probs;
+  thread_local std::vector<float> scores, sums, block_sums;
+  queries.assign(blocks * 16 * head_dim, 0), keys.resize(kAmxKeys * head_dim), values.resize(kAmxKeys * head_dim);
+  packed_keys.resize(kAmxKeys * head_dim), packed_values.resize(kAmxKeys * head_dim);
+  probs.resize(16 * kAmxKeys), scores.resize(16 * kAmxKeys), block_sums.resize(16 * 64);
+  sums.assign(blocks * 16 * head_dim, 0.f);
+  alignas(64) int64_t row_end[kAmxTileRows], row_start[kAmxTileRows];
+  alignas(64) float peak[kAmxTileRows], total[kAmxTileRows];
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t r = 0; r < blocks * 16; ++r) {  // rows past `rows` see no key
+    row_end[r] = 0, row_start[r] = 0, peak[r] = kMaskedScore, total[r] = 0.f;
+    if (r >= rows) continue;
+    const int64_t b = b0 + r / group, g = r % group, len = context_lens[b];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    row_end[r] = len, row_start[r] = start;
+    first = std::min(first, start), last = std::max(last, len);
+    std::memcpy(queries.data() + r * head_dim, q + (b * num_heads + h * group + g) * head_dim,
+                head_dim * sizeof(uint16_t));
+  }
+  gemel::configure_tiles();
+  for (int64_t c0 = first; c0 < last; c0 += kAmxKeys) {
+    const int64_t n = std::min(kAmxKeys, last - c0), padded = (n + 31) / 32 * 32;
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + 8 < n) {  // the context's rows lie in scattered 16-slot blocks
+        prefetch_bytes(k_head + slots[c0 + t + 8] * row_width, row_bytes);
+        prefetch_bytes(v_head + slots[c0 + t + 8] * row_width, row_bytes);
+      }
+      cache_row_to_bf16(k_head, slots[c0 + t], head_dim, keys.data() + t * head_dim);
+      cache_row_to_bf16(v_head, slots[c0 + t], head_dim, values.data() + t * head_dim);
+    }
+    std::fill(keys.begin() + n * head_dim, keys.begin() + padded * head_dim, 0);
+    std::fill(values.begin() + n * head_dim, values.begin() + padded * head_dim, 0);
+    // Keys as B tiles of 16 dim pairs x 16 keys: a 16 x 16 transpose of 32-bit pairs.
+    for (int64_t kb = 0; kb < padded / 16; ++kb)
+      for (int64_t kd = 0; kd < dim_pairs; ++kd)
+        transpose16(reinterpret_cast<const float*>(keys.data() + kb * 16 * head_dim + kd * 32), head_dim / 2,
+                    reinterpret_cast<float*>(packed_keys.data() + (kb * dim_pairs + kd) * 512), 16);
+    // Values as B tiles of 16 key pairs x 16 dims.
+    for (int64_t kp = 0; kp < padded / 32; ++kp)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* a = values.data() + (kp * 32 + 2 * i) * head_dim;
+        for (int64_t db = 0; db < dim_blocks; ++db)
+          _mm512_storeu_si512(packed_values.data() + ((kp * dim_blocks + db) * 16 + i) * 32,
+                              interleave16(a + db * 16, a + head_dim + db * 16));
+      }
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const uint16_t* qa = queries.data() + blk * 16 * head_dim;
+      // Scores of the block's 16 rows against the chunk, two key blocks at a time.
+      for (int64_t kb = 0; kb < padded / 16; kb += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kd = 0; kd < dim_pairs; ++kd) {
+          _tile_loadd(4, qa + kd * 32, head_dim * 2);
+          _tile_loadd(6, packed_keys.data() + (kb * dim_pairs + kd) * 512, 64);
+          _tile_loadd(7, packed_keys.data() + ((kb + 1) * dim_pairs + kd) * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, scores.data() + kb * 16, kAmxKeys * 4);
+        _tile_stored(1, scores.data() + (kb + 1) * 16, kAmxKeys * 4);
+      }
+      // Online softmax, a row at a time; rows' probabilities as bf16 (0 outside their keys).
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = blk * 16 + i;
+        const int64_t lo = std::clamp(row_start[r] - c0, int64_t{0}, n);
+        const int64_t hi = std::clamp(row_end[r] - c0, int64_t{0}, n);
+        float* s = scores.data() + i * kAmxKeys;
+        uint16_t* p = probs.data() + i * kAmxKeys;
+        if (lo >= hi) {
+          std::fill(p, p + padded, 0);
+          continue;
+        }
+        // Lanes of keys t..t+15 that the row sees.
+        const auto seen = [lo, hi](int64_t t) {
+          if (t + 16 <= lo || t >= hi) return _cvtu32_mask16(0);
+          return _cvtu32_mask16((0xFFFFu << std::max<int64_t>(0, lo - t)) & (0xFFFFu >> std::max<int64_t>(0, t + 16 - hi)));
+        };
+        const int64_t t_lo = lo / 16 * 16;
+        __m512 peaks = _mm512_set1_ps(kMaskedScore);
+        for (int64_t t = t_lo; t < hi; t += 16) peaks = _mm512_mask_max_ps(peaks, seen(t), peaks, _mm512_loadu_ps(s + t));
+        const float updated = std::max(peak[r], _mm512_reduce_max_ps(peaks) * scale);
+        const float rescale = std::exp(peak[r] - updated);
+        peak[r] = updated;
+        const __m512 scales = _mm512_set1_ps(scale), shift = _mm512_set1_ps(updated);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {
+          __m512 e = _mm512_setzero_ps();
+          if (t >= t_lo && t < hi) {
+            e = _mm512_maskz_mov_ps(seen(t), gemel::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), scales, shift)));
+            sum = _mm512_add_ps(sum, e);
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        total[r] = total[r] * rescale + _mm512_reduce_add_ps(sum);
+        if (rescale != 1.f)
+          for (int64_t d = 0; d < head_dim; ++d) sums[r * head_dim + d] *= rescale;
+      }
+      // Value sums of the block's rows, 64 dims (four C tiles) at a time.
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        const bool four = head_dim - d0 >= 64;  // a head of 32 dims takes two tiles
+        _tile_zero(0);
+        _tile_zero(1);
+        if (four) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t kp = 0; kp < padded / 32; ++kp) {
+          const uint16_t* vb = packed_values.data() + (kp * dim_blocks + d0 / 16) * 512;
+          _tile_loadd(4, probs.data() + kp * 32, kAmxKeys * 2);
+          _tile_loadd(6, vb, 64);
+          _tile_loadd(7, vb + 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (four) {
+            _tile_loadd(6, vb + 1024, 64);
+            _tile_loadd(7, vb + 1536, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+        }
+        _tile_stored(0, block_sums.data(), 64 * 4);
+        _tile_stored(1, block_sums.data() + 16, 64 * 4);
+        if (four) {
+          _tile_stored(2, block_sums.data() + 32, 64 * 4);
+          _tile_stored(3, block_sums.data() + 48, 64 * 4);
+        }
+        const int64_t width = four ? 64 : 32;
+        for (int64_t i = 0; i < 16; ++i) {
+          float* acc = sums.data() + (blk * 16 + i) * head_dim + d0;
+          for (int64_t d = 0; d < width; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_loadu_ps(block_sums.data() + i * 64 + d)));
+        }
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = b0 + r / group, g = r % group;
+    at::BFloat16* o = out + (b * num_heads + h * group + g) * head_dim;
+    const __m512 inverse = _mm512_set1_ps(total[r] > 0.f ? 1.f / total[r] : 0.f);
+    for (int64_t d = 0; d < head_dim; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sums.data() + r * head_dim + d), inverse)));
+  }
+}
+#endif  // GEMEL_AMX
+
 // Prefill queries in tiles of consecutive tokens of one sequence, one task per (tile, KV head).
 template <typename T, typename C>
 void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, const int64_t* kv_slots,
                              const int64_t* token_seq, const int64_t* context_lens, T* out, int64_t batch,
                              int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
                              float scale, int64_t window) {
-  const int64_t group = num_heads / num_kv, tokens_per_tile = kTileQueryRows / group;
+  bool on_amx = false;
+#if defined(GEMEL_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>))
+    on_amx = gemel::amx_usable();
+#endif
+  const int64_t group = num_heads / num_kv, tokens_per_tile = (on_amx ? kAmxTileRows : kTileQueryRows) / group;
   const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
   std::vector<int64_t> tile_start;
   for (int64_t b = 0; b < batch; ++b)
@@ -721,6 +925,16 @@ void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, con
   gemel::parallel_items(tiles * num_kv, [&](int64_t task) {
     const int64_t tile = task / num_kv, h = task % num_kv;
     const int64_t b0 = tile_start[tile], b1 = tile + 1 < tiles ? tile_start[tile + 1] : batch;
+#if defined(GEMEL_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>)) {
+      if (on_amx) {
+        prefill_tile_amx<C>(q, k_cache + h * num_slots * row_width, v_cache + h * num_slots * row_width,
+                            kv_slots + token_seq[b0] * max_ctx, context_lens, out, b0, b1, h, num_heads, group,
+                            head_dim, scale, window);
+        return;
+      }
+    }
+#endif
     prefill_tile<T, C>(q, k_cache + h * num_slots * row_width, v_cache + h * num_slots * row_width,
                        kv_slots + token_seq[b0] * max_ctx, context_lens, out, b0, b1, h, num_heads, group, head_dim,
                        scale, window);
