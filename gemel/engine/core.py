@@ -20,7 +20,7 @@ from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineSta
 from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
-from gemel.engine.step_budget import StepTimeModel
+from gemel.engine.step_budget import StepTimeModel, prefill_keys
 from gemel.layers import cpu_kernels
 from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, AMX_TILE_MAX_ROWS, prepack_model_, quantize_model_
 from gemel.loader.model_loader import LoadedModel, load_model
@@ -219,8 +219,11 @@ class EngineCore:
         if target is None:
             self.scheduler.token_budget = max_tokens
             return
-        decoding = sum(1 for s in self.scheduler.running if s.num_uncomputed_tokens <= 1)
-        self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens)
+        running = self.scheduler.running
+        decoding = sum(1 for s in running if s.num_uncomputed_tokens <= 1)
+        # The prompt a chunk would continue (running ones come first); a new prompt starts at 0.
+        context = max((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1), default=0)
+        self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context)
 
     def step(self) -> list[EngineCoreOutput]:
         if self.pending_forks:
@@ -237,13 +240,14 @@ class EngineCore:
             return list(outputs.values())
         for seq in sched.first_scheduled:
             outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, [])).events.append(("scheduled", now))
+        keys = sum(prefill_keys(seq.num_computed_tokens, n) for seq, n in sched.scheduled if seq.num_uncomputed_tokens > 1)
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched, result.num_rejected)
         self.last_step_time_s = time.perf_counter() - t0
         self.last_step_tokens = sched.num_batched_tokens
         self.num_steps += 1
-        self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s)
+        self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s, keys)
         for seq, _ in sched.scheduled:
             if seq.spec_token_ids:
                 self.spec_stats.record(len(seq.spec_token_ids), len(seq.spec_token_ids) - result.num_rejected[seq.seq_id])

@@ -1,56 +1,102 @@
 """Step-time target (SPEC F13): size each step's token budget from measured step times.
 
-A step's time is close to linear in the tokens it computes: ``t ≈ fixed + per_token * n``.
-We fit that line over recent steps (least squares) and, while sequences are decoding,
-allow only as many tokens as keep the step under the inter-token-latency target. Long
-prompts then prefill in chunks between decode steps instead of stalling every stream
-for the whole prefill (Sarathi-Serve's "stall-free batching").
+A step's time is close to linear in the tokens it computes plus the keys its prompt chunks
+attend to: ``t ≈ fixed + per_token * tokens + per_key * prefill_keys``, where a chunk of x
+tokens after c cached ones reads x * (c + (x + 1) / 2) keys. The second term is what makes a
+late chunk of a long prompt dearer than its first one (at 2,000 tokens of context a 64-token
+chunk's attention cost as much as its projections). We fit that plane over recent steps
+(least squares) and, while sequences are decoding, allow only as many tokens as keep the step
+under the inter-token-latency target. Long prompts then prefill in chunks between decode steps
+instead of stalling every stream for the whole prefill (Sarathi-Serve's "stall-free batching").
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
+from typing import NamedTuple
+
+
+class StepCost(NamedTuple):
+    fixed: float  # seconds a step costs whatever it computes
+    per_token: float  # seconds per token computed
+    per_key: float  # seconds per key a prompt chunk's token attends to
+
+
+def prefill_keys(context: int, chunk: int) -> float:
+    """Keys the ``chunk`` new tokens of a prompt read after ``context`` cached ones (causal)."""
+    return chunk * (context + (chunk + 1) / 2)
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 64, min_prefill_chunk: int = 64):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, window: int = 64, min_prefill_chunk: int = 16, over_target_chunk: int = 64):
+        self.samples: deque[tuple[int, float, float]] = deque(maxlen=window)
+        # Recent steps that computed no prompt chunk: direct evidence of what decodes alone cost.
+        self.decode_steps: deque[float] = deque(maxlen=8)
         self.min_prefill_chunk = min_prefill_chunk
+        self.over_target_chunk = over_target_chunk
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, prefill_keys: float = 0.0) -> None:
         if num_tokens > 0 and seconds > 0:
-            self.samples.append((num_tokens, seconds))
+            self.samples.append((num_tokens, prefill_keys, seconds))
+            if prefill_keys == 0:
+                self.decode_steps.append(seconds)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None until the samples span two sizes."""
+    def fit(self) -> StepCost | None:
+        """The cost plane, or None until the samples span two sizes. The keys' term is fitted
+        only where the samples vary in keys independently of tokens (else it is 0)."""
         if len(self.samples) < 4:
             return None
         n = len(self.samples)
-        mx = sum(x for x, _ in self.samples) / n
-        my = sum(y for _, y in self.samples) / n
-        var = sum((x - mx) ** 2 for x, _ in self.samples)
-        if var == 0:
+        mx = sum(x for x, _, _ in self.samples) / n
+        mk = sum(k for _, k, _ in self.samples) / n
+        my = sum(y for _, _, y in self.samples) / n
+        sxx = sum((x - mx) ** 2 for x, _, _ in self.samples)
+        if sxx == 0:
             return None
-        slope = sum((x - mx) * (y - my) for x, y in self.samples) / var
-        slope = max(slope, 1e-7)
-        return max(my - slope * mx, 0.0), slope
+        skk = sum((k - mk) ** 2 for _, k, _ in self.samples)
+        sxk = sum((x - mx) * (k - mk) for x, k, _ in self.samples)
+        sxy = sum((x - mx) * (y - my) for x, _, y in self.samples)
+        sky = sum((k - mk) * (y - my) for _, k, y in self.samples)
+        det = sxx * skk - sxk * sxk
+        per_token, per_key = sxy / sxx, 0.0
+        if skk > 0 and det > 1e-9 * sxx * skk:
+            both = ((skk * sxy - sxk * sky) / det, (sxx * sky - sxk * sxy) / det)
+            if both[1] >= 0:  # more keys never make a step cheaper: else fit tokens alone
+                per_token, per_key = both
+        per_token = max(per_token, 1e-7)
+        return StepCost(max(my - per_token * mx - per_key * mk, 0.0), per_token, per_key)
 
-    def budget(self, target_s: float, num_decoding: int, max_tokens: int) -> int:
-        """Tokens allowed in the next step while ``num_decoding`` sequences wait on it.
+    def budget(self, target_s: float, num_decoding: int, max_tokens: int, prefill_context: int = 0) -> int:
+        """Tokens allowed in the next step while ``num_decoding`` sequences wait on it and the
+        prompt to be continued has ``prefill_context`` tokens cached already.
 
         Cautious where the fit knows little: with no fit yet (e.g. only decode steps seen, all
         the same size) the step gets the floor, and the fit is never extrapolated past twice
         the largest step measured. A long prompt arriving after a run of decode-only steps
-        therefore probes 80, 160, 320 ... tokens instead of taking the whole budget at once
-        on a guess (which stalled every running stream for one long step).
+        therefore probes larger steps instead of taking the whole budget at once on a guess
+        (which stalled every running stream for one long step). The floor lets prompts always
+        advance: ``min_prefill_chunk`` tokens, or the larger ``over_target_chunk`` where recent
+        steps of decodes alone took longer than the target (it is missed anyway; prompts should
+        not crawl as well).
         """
         if num_decoding == 0:
             return max_tokens
-        floor = num_decoding + self.min_prefill_chunk  # prefills always make some progress
+        if self.decode_steps and statistics.median(self.decode_steps) > target_s:
+            return num_decoding + self.over_target_chunk
+        floor = num_decoding + self.min_prefill_chunk
         fit = self.fit()
         if fit is None:
             return floor
-        fixed, per_token = fit
-        affordable = int((target_s - fixed) / per_token)
-        affordable = min(affordable, 2 * max(n for n, _ in self.samples))
+        spare = target_s - fit.fixed - fit.per_token * num_decoding
+        if spare <= 0:
+            return floor
+        # The largest x with per_key / 2 x^2 + (per_token + per_key (context + 1/2)) x <= spare,
+        # written without the cancellation of (sqrt(b^2 + 4 a c) - b) / 2a for a small a.
+        a = fit.per_key / 2
+        b = fit.per_token + fit.per_key * (prefill_context + 0.5)
+        chunk = 2 * spare / (b + math.sqrt(b * b + 4 * a * spare))
+        affordable = num_decoding + int(chunk + 1e-9)
+        affordable = min(affordable, 2 * max(n for n, _, _ in self.samples))
         return max(floor, min(max_tokens, affordable))

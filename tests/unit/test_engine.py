@@ -247,3 +247,35 @@ def test_sequences_behind_a_shared_prefix_decode_with_cascade_attention(llm):
     cascaded = [g.shared_slots.numel() for _, meta in steps for g in meta.groups if g.shared_slots is not None]
     assert cascaded and min(cascaded) >= CASCADE_MIN_SHARED_TOKENS
     assert together == alone
+
+
+def test_step_target_chunks_a_long_prompt_and_records_its_keys(tiny_llama_dir, llm):
+    """With decodes running, a long prompt is prefilled in chunks sized by the step-time model,
+    and each step tells the model how many keys its prompt chunks attended to (F13)."""
+    from gemel.engine.step_budget import prefill_keys
+
+    timed = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, itl_target_ms=50.0)
+    core = timed.engine.core
+    long_prompt = [_rng.randrange(3, 300) for _ in range(300)]
+    for i, prompt in enumerate(MIXED[:4]):
+        timed.engine.add_request(f"d{i}", prompt_token_ids=prompt, params=GREEDY)
+    while not any(s.num_output_tokens for s in core.scheduler.running):
+        timed.engine.step()
+    timed.engine.add_request("long", prompt_token_ids=long_prompt, params=GREEDY)
+    chunks, outputs = [], {}
+    while timed.engine.has_unfinished_requests():
+        seq = next((s for s in core.scheduler.running + core.scheduler.waiting if s.seq_id.endswith("long")), None)
+        before = seq.num_computed_tokens if seq is not None else None
+        for out in timed.engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        if seq is not None and before < len(long_prompt):
+            chunk = min(seq.num_computed_tokens, len(long_prompt)) - before
+            chunks.append(chunk)
+            tokens, keys, _ = core.step_time_model.samples[-1]
+            assert keys == prefill_keys(before, chunk)
+    assert len(chunks) > 1 and sum(chunks) == len(long_prompt)  # chunked, not taken in one step
+    # The first chunk had no fit to go on: the floor.
+    assert chunks[0] == core.step_time_model.min_prefill_chunk
+    reference = _tokens(llm.generate(prompt_token_ids=[long_prompt], sampling_params=GREEDY))[0]
+    assert outputs["long"] == reference

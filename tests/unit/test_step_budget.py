@@ -2,19 +2,40 @@
 
 from __future__ import annotations
 
-from gemel.engine.step_budget import StepTimeModel
+import pytest
+
+from gemel.engine.step_budget import StepTimeModel, prefill_keys
 
 
-def fed(fixed: float, per_token: float, sizes) -> StepTimeModel:
+def fed(fixed: float, per_token: float, sizes, per_key: float = 0.0, contexts=None) -> StepTimeModel:
+    """A model that saw steps of ``sizes`` tokens, each a prompt chunk after ``contexts[i]``
+    cached tokens (keys > 0, so none counts as a decode-only step)."""
     m = StepTimeModel()
-    for n in sizes:
-        m.observe(n, fixed + per_token * n)
+    for i, n in enumerate(sizes):
+        keys = prefill_keys(contexts[i] if contexts else 0, n)
+        m.observe(n, fixed + per_token * n + per_key * keys, keys)
     return m
 
 
+def test_prefill_keys_counts_each_tokens_causal_prefix():
+    assert prefill_keys(0, 1) == 1  # a one-token prompt attends to itself
+    assert prefill_keys(0, 4) == 1 + 2 + 3 + 4
+    assert prefill_keys(100, 3) == 101 + 102 + 103
+
+
 def test_fit_recovers_a_linear_cost():
-    fixed, per_token = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300]).fit()
+    fixed, per_token, per_key = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300]).fit()
     assert abs(fixed - 0.010) < 1e-9 and abs(per_token - 0.0002) < 1e-12
+    assert abs(per_key) < 1e-12  # here keys follow tokens exactly (no context): nothing to split off
+
+
+def test_fit_separates_the_cost_of_attended_keys():
+    sizes = [16, 32, 64, 32, 16, 64, 48, 24]
+    contexts = [0, 0, 0, 500, 1000, 1500, 2000, 1800]
+    fit = fed(0.012, 0.0004, sizes, per_key=2e-8, contexts=contexts).fit()
+    assert fit.fixed == pytest.approx(0.012, rel=1e-6)
+    assert fit.per_token == pytest.approx(0.0004, rel=1e-6)
+    assert fit.per_key == pytest.approx(2e-8, rel=1e-6)
 
 
 def test_budget_keeps_decode_steps_under_target():
@@ -24,11 +45,35 @@ def test_budget_keeps_decode_steps_under_target():
     assert m.budget(0.500, num_decoding=16, max_tokens=512) == 512  # capped by the configured max
 
 
+def test_later_chunks_of_a_long_prompt_get_fewer_tokens():
+    fixed, per_token, per_key = 0.012, 0.0004, 2e-8
+    m = fed(fixed, per_token, [16, 32, 64, 32, 16, 64, 48, 24], per_key, [0, 0, 0, 500, 1000, 1500, 2000, 1800])
+    budgets = [m.budget(0.050, num_decoding=16, max_tokens=2048, prefill_context=c) for c in (0, 1000, 2000)]
+    assert budgets[0] > budgets[1] > budgets[2]
+    for context, budget in zip((0, 1000, 2000), budgets):
+        chunk = budget - 16
+
+        def cost(x):
+            return fixed + per_token * (16 + x) + per_key * prefill_keys(context, x)
+
+        assert cost(chunk) <= 0.050 + 1e-12 < cost(chunk + 1)  # the largest chunk that fits
+
+
 def test_no_decodes_means_full_budget_and_floor_guarantees_progress():
     m = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300])
     assert m.budget(0.050, num_decoding=0, max_tokens=512) == 512
-    # A target the decodes alone cannot meet still lets prefills advance by a small chunk.
+    # A target the fit says the decodes alone cannot meet still lets prefills advance by a small chunk.
     assert m.budget(0.005, num_decoding=40, max_tokens=512) == 40 + m.min_prefill_chunk
+
+
+def test_decode_steps_over_the_target_let_prompts_take_a_larger_chunk():
+    m = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300])
+    for _ in range(5):
+        m.observe(40, 0.060)  # decodes alone (no prompt keys): 60 ms against a 50 ms target
+    assert m.budget(0.050, num_decoding=40, max_tokens=512) == 40 + m.over_target_chunk
+    for _ in range(8):  # decodes got cheaper again: the recent ones decide
+        m.observe(40, 0.030)
+    assert m.budget(0.050, num_decoding=40, max_tokens=512) != 40 + m.over_target_chunk
 
 
 def test_without_a_fit_decodes_get_the_floor():
@@ -36,7 +81,9 @@ def test_without_a_fit_decodes_get_the_floor():
     assert m.fit() is None
     assert m.budget(0.050, num_decoding=4, max_tokens=512) == 4 + m.min_prefill_chunk
     # Only decode steps seen, all the same size: no slope to extrapolate from either.
-    m = fed(0.010, 0.0002, [16] * 40)
+    m = StepTimeModel()
+    for _ in range(40):
+        m.observe(16, 0.0132)
     assert m.fit() is None
     assert m.budget(0.050, num_decoding=16, max_tokens=2048) == 16 + m.min_prefill_chunk
     assert m.budget(0.050, num_decoding=0, max_tokens=2048) == 2048  # nobody waits: everything
@@ -44,9 +91,10 @@ def test_without_a_fit_decodes_get_the_floor():
 
 def test_budget_never_extrapolates_far_past_measured_steps():
     m = fed(0.010, 0.00002, [14, 15, 16, 15, 16])  # a cheap-looking slope from a narrow range
-    # The fit would allow 2,000 tokens; twice the largest step seen is 32, so the floor wins.
-    assert m.budget(0.050, num_decoding=16, max_tokens=2048) == 16 + m.min_prefill_chunk
+    # The fit would allow 2,000 tokens; twice the largest step seen is 32, so that caps it.
+    assert m.budget(0.050, num_decoding=8, max_tokens=2048) == 32
     # As larger steps are measured the cap follows them.
     for n in (80, 160, 320):
-        m.observe(n, 0.010 + 0.00002 * n)
+        m.observe(n, 0.010 + 0.00002 * n, prefill_keys(0, n))
     assert m.budget(0.050, num_decoding=16, max_tokens=2048) == 640
+
