@@ -250,3 +250,31 @@ def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, di
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[2], outs[0], atol=tol, rtol=tol)  # prefill alone
     torch.testing.assert_close(outs[3], outs[1], atol=tol, rtol=tol)  # with a decode in the step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 700])
+@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("heads,num_kv", [(6, 2), (16, 1)], ids=["gqa3", "gqa16"])
+def test_prefill_kernel_short_chunk_of_a_long_prompt(dtype, sliding_window, kv, heads, num_kv):
+    """A short chunk after a long cached prefix (a late chunk of a chunked prefill): one tile
+    per KV head walks six 256-key chunks of context, with a window that masks the first ones
+    entirely. Same answer as the PyTorch path."""
+    _kernel_available()
+    torch.manual_seed(2)
+    dim, num_slots, block, cached, new = 64, 4096, 16, 1500, 5
+    k_cache = _cache(torch.randn(num_kv, num_slots, dim), dtype, kv)
+    v_cache = _cache(torch.randn(num_kv, num_slots, dim), dtype, kv)
+    blocks = torch.randperm(num_slots // block).tolist()
+    context = [b * block + i for b in blocks for i in range(block)][: cached + new]
+    group = build_group([range(0, new)], [list(range(cached, cached + new))], [context], sliding_window,
+                        torch.device("cpu"))
+    q = torch.randn(new, heads, dim).to(dtype)
+    outs = []
+    for kernel in (False, True):
+        meta = AttentionMetadata(slot_mapping=torch.tensor(context[cached:]), groups=[group], num_tokens=new,
+                                 decode_kernel=kernel)
+        outs.append(paged_attention(q, None, None, k_cache, v_cache, meta, scale=dim**-0.5,
+                                    use_sliding_window=sliding_window is not None).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
