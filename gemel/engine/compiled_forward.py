@@ -33,6 +33,7 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, **options: Any):
         self.model = model
+        self.options = options
         self.compiled = torch.compile(model.forward, **options)
         self.arg_names = list(inspect.signature(type(model).forward).parameters)  # "self", then forward's own
         self.replay: dict[Hashable, Callable] = {}  # step key -> the compiled code that serves it

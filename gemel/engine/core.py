@@ -88,7 +88,7 @@ class EngineCore:
             log.info("fused C++ element-wise ops: %s", "on" if self.runner.enable_fused_ops() else "off")
         if config.compile:
             t_compile = time.monotonic()
-            self.runner.enable_compile(config.compile_max_batch_size)
+            self.runner.enable_compile(config.compile_max_batch_size, cpp_wrapper=config.compile_cpp_wrapper)
             log.info("compiled the decode step in %.1f s", time.monotonic() - t_compile)
         if config.seed is not None:
             gen = torch.Generator(device=self.device)

@@ -272,7 +272,7 @@ class ModelRunner:
         return self.fused_ops
 
     # -- compiled decode ----------------------------------------------------------------
-    def enable_compile(self, max_batch_size: int) -> None:
+    def enable_compile(self, max_batch_size: int, cpp_wrapper: bool = False) -> None:
         """Compile the forward pass for decode-only steps of up to ``max_batch_size`` sequences.
 
         At small batches a CPU step is mostly dispatch overhead of a few thousand small ops;
@@ -282,8 +282,11 @@ class ModelRunner:
         where the graph changes), before any request waits on it. Inductor caches the
         generated code on disk, so later start-ups are much faster. Other steps stay eager.
         Later steps replay the compiled code by their shape key (see ``CompiledForward``).
+        With ``cpp_wrapper`` the generated kernels are called from a compiled C++ function
+        rather than Python: at batch 1 that takes ~2 ms of Python off a ~20 ms step.
         """
-        self.compiled_forward = CompiledForward(self.model, dynamic=True, options={"freezing": True})
+        options = {"freezing": True, "cpp_wrapper": cpp_wrapper}
+        self.compiled_forward = CompiledForward(self.model, dynamic=True, options=options)
         self.compile_max_batch_size = max_batch_size
         for batch in self._graph_batch_sizes(max_batch_size):
             self._warm_up_decode(batch, context=2 * self.block_size + 5)
