@@ -556,6 +556,26 @@ inline void cache_row_to_float(const C* head_cache, int64_t slot, int64_t head_d
   }
 }
 
+// The keys and values of context positions c0..c0+n-1 (cache `slots`) as rows of head_dim
+// `Dst` values, written by `to_row(head_cache, slot, head_dim, dst)`, then zero rows up to
+// `padded`. The rows lie in scattered 16-slot blocks, so each is fetched a few keys ahead.
+template <typename C, typename Dst, typename ToRow>
+inline void read_context_chunk(const C* k_head, const C* v_head, const int64_t* slots, int64_t c0, int64_t n,
+                               int64_t padded, int64_t head_dim, Dst* keys, Dst* values, ToRow to_row) {
+  const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
+  const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + 8 < n) {
+      prefetch_bytes(k_head + slots[c0 + t + 8] * row_width, row_bytes);
+      prefetch_bytes(v_head + slots[c0 + t + 8] * row_width, row_bytes);
+    }
+    to_row(k_head, slots[c0 + t], head_dim, keys + t * head_dim);
+    to_row(v_head, slots[c0 + t], head_dim, values + t * head_dim);
+  }
+  std::fill(keys + n * head_dim, keys + padded * head_dim, Dst{0});
+  std::fill(values + n * head_dim, values + padded * head_dim, Dst{0});
+}
+
 // scores[t * 16 * RV + r] = sum_d keys[t * D + d] * queries_t[d * 16 * RV + r] for t in
 // [0, n), n a multiple of kScoreKeys: query rows across the lanes, kScoreKeys keys at a time.
 template <int RV>
@@ -626,8 +646,6 @@ void prefill_tile(const T* q, const C* k_head, const C* v_head, const int64_t* s
                   T* out, int64_t b0, int64_t b1, int64_t h, int64_t num_heads, int64_t group, int64_t head_dim,
                   float scale, int64_t window) {
   const int64_t rows = (b1 - b0) * group, vectors = (rows + 15) / 16, width = 16 * vectors;
-  const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
-  const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
   thread_local std::vector<float> queries, queries_t, keys, values, scores, sums;
   queries.assign(width * head_dim, 0.f), queries_t.resize(head_dim * width);
   keys.resize(kTileKeys * head_dim), values.resize(kTileKeys * head_dim), scores.resize(kTileKeys * width);
@@ -651,16 +669,8 @@ void prefill_tile(const T* q, const C* k_head, const C* v_head, const int64_t* s
       transpose16(queries.data() + r * head_dim + d, head_dim, queries_t.data() + d * width + r, width);
   for (int64_t c0 = first; c0 < last; c0 += kTileKeys) {
     const int64_t n = std::min(kTileKeys, last - c0), padded = (n + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
-    for (int64_t t = 0; t < n; ++t) {
-      if (t + 8 < n) {  // the context's rows lie in scattered 16-slot blocks
-        prefetch_bytes(k_head + slots[c0 + t + 8] * row_width, row_bytes);
-        prefetch_bytes(v_head + slots[c0 + t + 8] * row_width, row_bytes);
-      }
-      cache_row_to_float(k_head, slots[c0 + t], head_dim, keys.data() + t * head_dim);
-      cache_row_to_float(v_head, slots[c0 + t], head_dim, values.data() + t * head_dim);
-    }
-    std::fill(keys.begin() + n * head_dim, keys.begin() + padded * head_dim, 0.f);
-    std::fill(values.begin() + n * head_dim, values.begin() + padded * head_dim, 0.f);
+    read_context_chunk(k_head, v_head, slots, c0, n, padded, head_dim, keys.data(), values.data(),
+                       [](const C* head, int64_t slot, int64_t dim, float* dst) { cache_row_to_float(head, slot, dim, dst); });
     switch (vectors) {
       case 1: tile_scores<1>(queries_t.data(), keys.data(), padded, head_dim, scores.data()); break;
       case 2: tile_scores<2>(queries_t.data(), keys.data(), padded, head_dim, scores.data()); break;
@@ -755,8 +765,6 @@ void prefill_tile_amx(const at::BFloat16* q, const C* k_head, const C* v_head, c
                       int64_t num_heads, int64_t group, int64_t head_dim, float scale, int64_t window) {
   const int64_t rows = (b1 - b0) * group, blocks = (rows + 15) / 16;
   const int64_t dim_pairs = head_dim / 32, dim_blocks = head_dim / 16;
-  const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
-  const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
   thread_local std::vector<uint16_t> queries, keys, values, packed_keys, packed_values, probs;
   thread_local std::vector<float> scores, sums, block_sums;
   queries.assign(blocks * 16 * head_dim, 0), keys.resize(kAmxKeys * head_dim), values.resize(kAmxKeys * head_dim);
@@ -779,16 +787,8 @@ void prefill_tile_amx(const at::BFloat16* q, const C* k_head, const C* v_head, c
   gemel::configure_tiles();
   for (int64_t c0 = first; c0 < last; c0 += kAmxKeys) {
     const int64_t n = std::min(kAmxKeys, last - c0), padded = (n + 31) / 32 * 32;
-    for (int64_t t = 0; t < n; ++t) {
-      if (t + 8 < n) {  // the context's rows lie in scattered 16-slot blocks
-        prefetch_bytes(k_head + slots[c0 + t + 8] * row_width, row_bytes);
-        prefetch_bytes(v_head + slots[c0 + t + 8] * row_width, row_bytes);
-      }
-      cache_row_to_bf16(k_head, slots[c0 + t], head_dim, keys.data() + t * head_dim);
-      cache_row_to_bf16(v_head, slots[c0 + t], head_dim, values.data() + t * head_dim);
-    }
-    std::fill(keys.begin() + n * head_dim, keys.begin() + padded * head_dim, 0);
-    std::fill(values.begin() + n * head_dim, values.begin() + padded * head_dim, 0);
+    read_context_chunk(k_head, v_head, slots, c0, n, padded, head_dim, keys.data(), values.data(),
+                       [](const C* head, int64_t slot, int64_t dim, uint16_t* dst) { cache_row_to_bf16(head, slot, dim, dst); });
     // Keys as B tiles of 16 dim pairs x 16 keys: a 16 x 16 transpose of 32-bit pairs.
     for (int64_t kb = 0; kb < padded / 16; ++kb)
       for (int64_t kd = 0; kd < dim_pairs; ++kd)
