@@ -240,14 +240,17 @@ class EngineCore:
             return list(outputs.values())
         for seq in sched.first_scheduled:
             outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, [])).events.append(("scheduled", now))
-        keys = sum(prefill_keys(seq.num_computed_tokens, n) for seq, n in sched.scheduled if seq.num_uncomputed_tokens > 1)
+        timed = self.config.itl_target_ms is not None  # the step-time model serves the target only
+        chunks = [(s.num_computed_tokens, n) for s, n in sched.scheduled if s.num_uncomputed_tokens > 1] if timed else []
+        keys = sum(prefill_keys(context, n) for context, n in chunks)
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched, result.num_rejected)
         self.last_step_time_s = time.perf_counter() - t0
         self.last_step_tokens = sched.num_batched_tokens
         self.num_steps += 1
-        self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s, keys)
+        if timed:
+            self.step_time_model.observe(sched.num_batched_tokens, self.last_step_time_s, keys)
         for seq, _ in sched.scheduled:
             if seq.spec_token_ids:
                 self.spec_stats.record(len(seq.spec_token_ids), len(seq.spec_token_ids) - result.num_rejected[seq.seq_id])

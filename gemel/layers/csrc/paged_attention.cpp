@@ -898,8 +898,7 @@ void prefill_tile_amx(const at::BFloat16* q, const C* k_head, const C* v_head, c
     at::BFloat16* o = out + (b * num_heads + h * group + g) * head_dim;
     const __m512 inverse = _mm512_set1_ps(total[r] > 0.f ? 1.f / total[r] : 0.f);
     for (int64_t d = 0; d < head_dim; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sums.data() + r * head_dim + d), inverse)));
+      store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r * head_dim + d), inverse));
   }
 }
 #endif  // GEMEL_AMX
@@ -910,10 +909,13 @@ void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, con
                              const int64_t* token_seq, const int64_t* context_lens, T* out, int64_t batch,
                              int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
                              float scale, int64_t window) {
-  bool on_amx = false;
 #if defined(GEMEL_AMX)
-  if constexpr (std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>))
-    on_amx = gemel::amx_usable();
+  // bf16 queries over a bf16 or int8 cache: the types prefill_tile_amx is built for.
+  constexpr bool amx_types =
+      std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>);
+  const bool on_amx = amx_types && gemel::amx_usable();
+#else
+  const bool on_amx = false;
 #endif
   const int64_t group = num_heads / num_kv, tokens_per_tile = (on_amx ? kAmxTileRows : kTileQueryRows) / group;
   const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
@@ -926,7 +928,7 @@ void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, con
     const int64_t tile = task / num_kv, h = task % num_kv;
     const int64_t b0 = tile_start[tile], b1 = tile + 1 < tiles ? tile_start[tile + 1] : batch;
 #if defined(GEMEL_AMX)
-    if constexpr (std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>)) {
+    if constexpr (amx_types) {
       if (on_amx) {
         prefill_tile_amx<C>(q, k_cache + h * num_slots * row_width, v_cache + h * num_slots * row_width,
                             kv_slots + token_seq[b0] * max_ctx, context_lens, out, b0, b1, h, num_heads, group,
