@@ -17,6 +17,9 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxRows = 8;
+// Weight rows ahead of the one being read that its thread asks for (rows are read in order;
+// the hardware prefetcher alone left the LM head at ~8.5 GB/s of the two cores' 11-12).
+constexpr int64_t kPrefetchRows = 4;
 
 void int8_group_rows(const float* x, const int8_t* q, const float* scales, float* y, int64_t rows,
                      int64_t in_features, int64_t out_features, int64_t n0, int64_t n1) {
@@ -25,6 +28,10 @@ void int8_group_rows(const float* x, const int8_t* q, const float* scales, float
     const int8_t* wrow = q + n * in_features;
     const float* srow = scales + n * groups;
 #if defined(__AVX512F__)
+    const char* next_w = reinterpret_cast<const char*>(wrow + kPrefetchRows * in_features);
+    const char* next_s = reinterpret_cast<const char*>(srow + kPrefetchRows * groups);
+    for (int64_t line = 0; line < in_features; line += 64) _mm_prefetch(next_w + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < groups * 4; line += 64) _mm_prefetch(next_s + line, _MM_HINT_T0);
     __m512 total[kMaxRows];
     for (int64_t m = 0; m < rows; ++m) total[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
