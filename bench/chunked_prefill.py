@@ -6,6 +6,10 @@ scale their ITL p50 before it came (what decodes alone cost on the machine at th
 the long prompt's time to first token (what the smaller chunks cost it).
 
     python bench/chunked_prefill.py --target-ms 50
+    python bench/chunked_prefill.py --target-ms 50 --config bench/configs/latency-int8.yaml
+
+--config takes the engine section of a gemel.yaml (its itl_target_ms and
+max_num_batched_tokens are set by this script's own flags).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import time
 def run(target_ms: float | None, args) -> dict:
     from gemel import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_batched_tokens,
-              itl_target_ms=target_ms, kv_cache_memory_mb=512)
+    engine_kwargs = {"dtype": args.dtype, "kv_cache_memory_mb": 512, **args.engine}
+    engine_kwargs.update(max_num_batched_tokens=args.max_batched_tokens, itl_target_ms=target_ms)
+    llm = LLM(args.model, **engine_kwargs)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -67,7 +72,15 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--config", default=None, help="gemel.yaml whose engine section the engine starts from")
     args = ap.parse_args()
+    args.engine = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            args.engine = (yaml.safe_load(f) or {}).get("engine", {})
+        args.engine.pop("model", None)
     rows = {
         f"adaptive budget (target {args.target_ms:g} ms)": run(args.target_ms, args),
         f"fixed budget ({args.max_batched_tokens} tokens)": run(None, args),
