@@ -54,10 +54,11 @@ class EngineConfig(BaseModel):
     itl_target_ms: float | None = Field(
         50.0, gt=0, description="step-time target while requests decode (F13); null: always the full budget"
     )
-    weight_quant: Literal["none", "checkpoint", "int8", "int4"] = Field(
-        "none",
+    weight_quant: Literal["auto", "none", "checkpoint", "int8", "int4"] = Field(
+        "auto",
         description="weight-only low-bit copies of the projections for small decode batches (CPU): "
-        "checkpoint = the GGUF's own Q4_0/Q4_1 groups, exact; int8/int4 = re-quantised, lossy",
+        "checkpoint = the GGUF's own Q4_0/Q4_1/Q8_0 groups, exact; int8/int4 = re-quantised, lossy; "
+        "auto = checkpoint where the engine runs bf16 on CPU, none elsewhere (float32 keeps its exact sums)",
     )
     int8_activations: bool = Field(
         False,

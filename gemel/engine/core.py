@@ -29,6 +29,16 @@ from gemel.platform import select_device, select_dtype
 log = logging.getLogger("gemel.engine")
 
 
+def resolve_weight_quant(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: the checkpoint's own low-bit groups for small batches where the engine runs
+    bf16 on CPU (the kernels carry x finer than bf16 rounds it, and at one row they read a
+    quarter of the bytes: half the batch-1 step), the dense weights elsewhere (float32 is
+    asked for its exact sums; the packed kernels are CPU kernels)."""
+    if mode != "auto":
+        return mode
+    return "checkpoint" if device.type == "cpu" and dtype == torch.bfloat16 else "none"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
@@ -40,9 +50,10 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
+        self.weight_quant = resolve_weight_quant(config.weight_quant, self.device, self.dtype)
         packed_rows = config.packed_max_rows
         if packed_rows is None:  # 8 rows where gemel's VNNI kernel will serve the 4-bit groups
-            vnni = config.weight_quant != "none" and self.device.type == "cpu" and cpu_kernels.has_vnni()
+            vnni = self.weight_quant != "none" and self.device.type == "cpu" and cpu_kernels.has_vnni()
             packed_rows = 8 if vnni and cpu_kernels.load() else 4
         int8_activations = config.int8_activations and self.device.type == "cpu" and cpu_kernels.has_vnni()
         int8_activations = int8_activations and cpu_kernels.load()
@@ -61,7 +72,7 @@ class EngineCore:
         if amx_max_rows and int8_act_max_rows is not None and int8_act_max_rows <= amx_max_rows:
             int8_activations = False  # every call it would take goes to the AMX tiles (docs/performance.md, eleventh pass)
         quantize_model_(
-            self.loaded.model, config.weight_quant, packed_rows, int8_activations, int8_act_max_rows, amx_max_rows
+            self.loaded.model, self.weight_quant, packed_rows, int8_activations, int8_act_max_rows, amx_max_rows
         )
         prepack_model_(self.loaded.model, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer

@@ -24,7 +24,7 @@ def test_checkpoint_groups_serve_small_batches_with_the_files_weights():
     assert all(m.checkpoint_int4 is None and m.checkpoint_int8 is None
                for m in model.modules() if isinstance(m, Linear))  # file let go
 
-    dense = LLM("smollm2-135m-instruct", dtype="bfloat16")
+    dense = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="none")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[{"role": "user", "content": p}] for p in ("What is the capital of France?", "Name a colour.",
                                                            "Count to five.", "Say hello in German.")]
@@ -38,6 +38,22 @@ def test_checkpoint_groups_serve_small_batches_with_the_files_weights():
     qa = [o.outputs[0].token_ids for o in quant.chat(batch, sampling_params=first)]
     qb = [o.outputs[0].token_ids for o in dense.chat(batch, sampling_params=first)]
     assert qa == qb
+
+
+def test_auto_takes_the_checkpoint_groups_in_bf16_and_the_dense_weights_in_float32():
+    """The default weight_quant (auto): a bf16 engine on CPU serves small batches from the
+    file's own groups (same kernels as weight_quant=checkpoint); float32 keeps every
+    projection dense, its sums exact."""
+    bf16 = LLM("smollm2-135m-instruct", dtype="bfloat16")
+    assert bf16.engine.core.weight_quant == "checkpoint"
+    model = bf16.engine.core.loaded.model
+    int4_kind = "int4_groups" if cpu_kernels.has_vnni() else "int4"
+    assert all(m.quant == int4_kind for layer in model.layers for m in layer.modules() if isinstance(m, Linear))
+    assert model.lm_head.quant == "int8_groups"
+    fp32 = LLM("smollm2-135m-instruct", dtype="float32")
+    assert fp32.engine.core.weight_quant == "none"
+    assert all(m.quant is None for m in fp32.engine.core.loaded.model.modules() if isinstance(m, Linear))
+    assert LLM("smollm2-135m-instruct", dtype="float32", weight_quant="checkpoint").engine.core.weight_quant == "checkpoint"
 
 
 @pytest.mark.skipif(not cpu_kernels.has_vnni(), reason="int8_activations needs AVX512-VNNI")
@@ -58,7 +74,7 @@ def test_int8_activations_serve_every_projection_close_to_the_dense_model():
     assert all((m.onednn_weight is not None) == amx for m in projections)
     assert model.embed_tokens.shape == (49152, 576)  # the lookup table stays
 
-    dense = LLM("smollm2-135m-instruct", dtype="bfloat16")
+    dense = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="none")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[{"role": "user", "content": p}] for p in ("Why is the sky blue?", "Describe a cat.",
                                                            "Give me a tip for learning Python.", "Who wrote Hamlet?")]
@@ -87,7 +103,7 @@ def test_amx_tiles_serve_decode_sized_calls_like_the_bf16_gemm():
     layers = tiles.engine.core.loaded.model.layers
     assert all(layer.gate_up_proj.amx_layout == AMX_GATE_UP for layer in layers)
     assert sum(m.amx_layout == AMX_GATE_UP for m in projections) == len(layers) == 30
-    dense = LLM("smollm2-135m-instruct", dtype="bfloat16", amx_max_rows=0)
+    dense = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="none", amx_max_rows=0)
     assert all(m.amx_max_rows == 0 for m in dense.engine.core.loaded.model.modules() if isinstance(m, Linear))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[{"role": "user", "content": p}] for p in ("Why is the sky blue?", "Who wrote Hamlet?")]
