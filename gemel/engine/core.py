@@ -8,7 +8,6 @@ process and its loop never waits on Python work for the API.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -356,6 +355,3 @@ class EngineCore:
             spec_accepted_per_position=list(self.spec_stats.accepted_per_position),
         )
 
-
-def default_num_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
