@@ -5,8 +5,12 @@ work would. At one row these kernels should run at the memory's rate: the table 
 bytes each pass reads and the rate it reached.
 
     python bench/weight_only_kernels.py --threads 2 --rows 1 4 8
+    python bench/weight_only_kernels.py --threads 2 --engine-steps 80
 
 To compare two versions of the kernels, run the script from a worktree of each.
+--engine-steps instead times whole batch-1 decode steps (eager) of two engines in this
+process, taking turns: the dense weights (weight_quant none) and the file's groups (auto,
+which is checkpoint in bf16 on CPU).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--passes", type=int, default=40)
+    ap.add_argument("--engine-steps", type=int, default=0, help="time this many decode steps of each engine instead")
     args = ap.parse_args()
+    if args.engine_steps:
+        return engine_steps(args)
 
     import torch
 
@@ -61,6 +68,31 @@ def main() -> int:
                                     ("int8_group_mm, LM head", calls8, bytes8)):
             seconds = timed(calls)
             print(f"| {name} | {rows} | {nbytes / 1e6:.1f} | {1000 * seconds:.2f} | {nbytes / seconds / 1e9:.1f} |")
+    return 0
+
+
+def engine_steps(args) -> int:
+    from gemel import LLM, SamplingParams
+
+    engines = {mode: LLM(args.model, dtype="bfloat16", weight_quant=mode, num_threads=args.threads, num_kv_blocks=64)
+               for mode in ("none", "auto")}
+    params = SamplingParams(temperature=0, max_tokens=args.engine_steps + 40, ignore_eos=True)
+    for llm in engines.values():
+        llm.engine.add_request("one", prompt_token_ids=list(range(1000, 1100)), params=params)
+        for _ in range(16):  # prefill and warm-up
+            llm.engine.step()
+    times: dict[str, list[float]] = {mode: [] for mode in engines}
+    for _ in range(args.engine_steps):
+        for mode, llm in engines.items():
+            start = time.perf_counter()
+            llm.engine.step()
+            times[mode].append(time.perf_counter() - start)
+    print(f"\n{args.model}, bf16, {args.threads} threads, batch-1 decode steps (eager), engines taking turns\n")
+    print("| weight_quant | step p50 (ms) | p90 (ms) |")
+    print("|---|---|---|")
+    for mode, values in times.items():
+        values.sort()
+        print(f"| {mode} | {1000 * values[len(values) // 2]:.2f} | {1000 * values[int(0.9 * len(values))]:.2f} |")
     return 0
 
 
