@@ -1,6 +1,6 @@
 """Weight-only kernels at decode batch sizes: one pass of x through every 4-bit projection of
 SmolLM2's 30 layers (gemel's int4_group_mm on the GGUF's Q4_1 groups) and through the Q8_0
-LM head (int8_group_mm), with the caches flushed before each pass as a decode step's other
+LM head (int8_group_mm; on CPUs with AMX also its bf16 tiles, amx_bf16_gemm), with the caches flushed before each pass as a decode step's other
 work would. At one row these kernels should run at the memory's rate: the table gives the
 bytes each pass reads and the rate it reached.
 
@@ -64,8 +64,12 @@ def main() -> int:
         xs8 = [torch.randn(rows, m.w_q8.shape[1], dtype=torch.bfloat16) for m in int8]
         calls8 = [lambda x=x, m=m: torch.ops.gemel.int8_group_mm(x, m.w_q8, m.w_q8_scales) for x, m in zip(xs8, int8)]
         bytes8 = sum(m.w_q8.numel() + 4 * m.w_q8_scales.numel() for m in int8)
-        for name, calls, nbytes in (("int4_group_mm, 120 layer projections", calls4, bytes4),
-                                    ("int8_group_mm, LM head", calls8, bytes8)):
+        kernels = [("int4_group_mm, 120 layer projections", calls4, bytes4), ("int8_group_mm, LM head", calls8, bytes8)]
+        if all(m.amx_max_rows for m in int8):  # the LM head's bf16 AMX tiles, which take calls of more rows
+            calls_tiles = [lambda x=x, m=m: torch.ops.gemel.amx_bf16_gemm(x, m.amx_tiles, m.amx_out_features, m.amx_layout)
+                           for x, m in zip(xs8, int8)]
+            kernels.append(("amx_bf16_gemm, LM head tiles", calls_tiles, sum(m.amx_tiles.numel() * 2 for m in int8)))
+        for name, calls, nbytes in kernels:
             seconds = timed(calls)
             print(f"| {name} | {rows} | {nbytes / 1e6:.1f} | {1000 * seconds:.2f} | {nbytes / seconds / 1e9:.1f} |")
     return 0

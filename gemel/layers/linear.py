@@ -40,6 +40,12 @@ AMX_INT8_ACT_MAX_ROWS = 128
 # GEMM larger ones (which it blocks better for prefill chunks; docs/performance.md, eleventh pass).
 AMX_TILE_MAX_ROWS = 128
 
+# Where a projection also has AMX tiles, int8_group_mm (the checkpoint's Q8_0 groups, widened
+# to float for every row of x) serves calls up to this many rows and the tiles larger ones:
+# SmolLM2's LM head, 4 rows, 4.05 ms against 2.86 on the tiles; 8 rows 6.32 against 3.59
+# (docs/performance.md, fourteenth pass).
+AMX_INT8_GROUPS_MAX_ROWS = 2
+
 # amx_bf16_gemm's `gated` argument: what the tiles' output pairs hold and what a call writes.
 AMX_PLAIN, AMX_GATE_UP, AMX_SILU_MUL = 0, 1, 2
 
@@ -180,7 +186,8 @@ class Linear(nn.Module):
             self._keep(w_q8=int8_groups.q.contiguous(), w_q8_scales=int8_groups.scale.contiguous())
             self.checkpoint_int4 = None
             self.quant = "int8_groups"
-            self.packed_max_rows = min(packed_max_rows, 8)  # the kernel takes up to 8 rows
+            # the kernel takes up to 8 rows, and where tiles exist they win from 3 on
+            self.packed_max_rows = min(packed_max_rows, AMX_INT8_GROUPS_MAX_ROWS if self.amx_max_rows else 8)
             return
         groups = self.checkpoint_int4() if self.checkpoint_int4 is not None and group_size == 32 else None
         self.checkpoint_int4 = None  # read once; drops the reference to the checkpoint

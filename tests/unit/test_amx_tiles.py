@@ -8,8 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from gemel.layers import cpu_kernels
-from gemel.layers.linear import AMX_GATE_UP, AMX_PLAIN, AMX_SILU_MUL, Linear, gated_mlp, pack_amx_tiles, quantize_model_
-from gemel.models.weights import Int4Groups
+from gemel.layers.linear import (
+    AMX_GATE_UP,
+    AMX_INT8_GROUPS_MAX_ROWS,
+    AMX_PLAIN,
+    AMX_SILU_MUL,
+    Linear,
+    gated_mlp,
+    pack_amx_tiles,
+    quantize_model_,
+)
+from gemel.models.weights import Int4Groups, Int8Groups
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_tiles_available(), reason="needs a CPU with AMX-BF16")
 
@@ -174,6 +183,35 @@ def test_calls_take_the_tiles_between_the_weight_only_and_the_larger_kernels(int
     # the tiles hold the dense weight: their product is the bf16 GEMM's up to the sums' order
     x = _bf16(6, 128, seed=8)
     torch.testing.assert_close(tiles(x).float(), F.linear(x, dense).float(), rtol=2**-7, atol=1e-2)
+
+
+@needs_amx
+def test_q8_0_groups_serve_two_rows_and_the_tiles_more():
+    """A Q8_0 projection (an LM head) with AMX tiles: int8_group_mm, which widens every weight
+    to float per row of x, only up to AMX_INT8_GROUPS_MAX_ROWS rows; the tiles from there on.
+    Without tiles the int8 kernel keeps its 8 rows."""
+    assert cpu_kernels.load()
+    g = torch.Generator().manual_seed(11)
+    groups = Int8Groups(torch.randint(-127, 128, (96, 128), dtype=torch.int8, generator=g),
+                        (torch.rand(96, 4, generator=g) * 0.01 + 0.001).half().float())
+
+    def q8_linear() -> Linear:
+        lin = Linear(groups.dequantize().bfloat16())
+        lin.checkpoint_int8 = lambda: groups
+        return lin
+
+    lin = q8_linear()
+    quantize_model_(torch.nn.Sequential(lin), "checkpoint", packed_max_rows=8, amx_max_rows=16)
+    assert lin.quant == "int8_groups" and lin.packed_max_rows == AMX_INT8_GROUPS_MAX_ROWS == 2
+    plain = q8_linear()
+    plain.quantize_("checkpoint", packed_max_rows=8)
+    assert plain.packed_max_rows == 8
+    for rows in (1, 2, 3, 8):
+        x = _bf16(rows, 128, seed=20 + rows)
+        groups_out = torch.ops.gemel.int8_group_mm(x, lin.w_q8, lin.w_q8_scales)
+        tiles_out = torch.ops.gemel.amx_bf16_gemm(x, lin.amx_tiles, 96)
+        assert torch.equal(lin(x), groups_out if rows <= 2 else tiles_out), rows
+        assert torch.equal(plain(x), groups_out), rows
 
 
 def test_only_bf16_cpu_weights_get_tiles():
