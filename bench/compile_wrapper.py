@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 from gemel import LLM, SamplingParams
+from gemel.benchmark.steps import print_step_table, steps_in_turns
 
 
 def main() -> int:
@@ -40,18 +40,8 @@ def main() -> int:
                            params=SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
         for _ in range(10):
             engine.step()
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            for _ in range(5):
-                t = time.perf_counter()
-                engine.step()
-                times[name].append(time.perf_counter() - t)
-    print("| compiled step | start-up (s) | decode step p50 (ms) | p90 (ms) |")
-    print("|---|---|---|---|")
-    for name, ts in times.items():
-        ts.sort()
-        print(f"| {name} | {startup[name]:.1f} | {1e3 * statistics.median(ts):.2f} | {1e3 * ts[int(0.9 * len(ts))]:.2f} |")
+    times = steps_in_turns(engines, args.rounds, steps_per_turn=5)
+    print_step_table("compiled step", times, {"start-up (s)": {name: f"{s:.1f}" for name, s in startup.items()}})
     return 0
 
 

@@ -77,6 +77,7 @@ def main() -> int:
 
 def engine_steps(args) -> int:
     from gemel import LLM, SamplingParams
+    from gemel.benchmark.steps import print_step_table, steps_in_turns
 
     engines = {mode: LLM(args.model, dtype="bfloat16", weight_quant=mode, num_threads=args.threads, num_kv_blocks=64)
                for mode in ("none", "auto")}
@@ -85,18 +86,9 @@ def engine_steps(args) -> int:
         llm.engine.add_request("one", prompt_token_ids=list(range(1000, 1100)), params=params)
         for _ in range(16):  # prefill and warm-up
             llm.engine.step()
-    times: dict[str, list[float]] = {mode: [] for mode in engines}
-    for _ in range(args.engine_steps):
-        for mode, llm in engines.items():
-            start = time.perf_counter()
-            llm.engine.step()
-            times[mode].append(time.perf_counter() - start)
+    times = steps_in_turns({mode: llm.engine for mode, llm in engines.items()}, args.engine_steps)
     print(f"\n{args.model}, bf16, {args.threads} threads, batch-1 decode steps (eager), engines taking turns\n")
-    print("| weight_quant | step p50 (ms) | p90 (ms) |")
-    print("|---|---|---|")
-    for mode, values in times.items():
-        values.sort()
-        print(f"| {mode} | {1000 * values[len(values) // 2]:.2f} | {1000 * values[int(0.9 * len(values))]:.2f} |")
+    print_step_table("weight_quant", times)
     return 0
 
 

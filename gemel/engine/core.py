@@ -251,8 +251,7 @@ class EngineCore:
         for seq in sched.first_scheduled:
             outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, [])).events.append(("scheduled", now))
         timed = self.config.itl_target_ms is not None  # the step-time model serves the target only
-        chunks = [(s.num_computed_tokens, n) for s, n in sched.scheduled if s.num_uncomputed_tokens > 1] if timed else []
-        keys = sum(prefill_keys(context, n) for context, n in chunks)
+        keys = sum(prefill_keys(s.num_computed_tokens, n) for s, n in sched.scheduled if s.num_uncomputed_tokens > 1) if timed else 0
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched, result.num_rejected)
