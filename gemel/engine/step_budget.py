@@ -8,6 +8,11 @@ chunk's attention cost as much as its projections). We fit that plane over recen
 (least squares) and, while sequences are decoding, allow only as many tokens as keep the step
 under the inter-token-latency target. Long prompts then prefill in chunks between decode steps
 instead of stalling every stream for the whole prefill (Sarathi-Serve's "stall-free batching").
+
+The target bounds the streams' p99, not their mean: a step planned to take exactly the target
+by the fit overshoots it about half the time (step times for the same work scatter by 10-30%
+on a shared CPU, and a plane is only an approximation). So the budget plans against the
+target less the fit's usual overshoot, a high quantile of its recent residuals.
 """
 
 from __future__ import annotations
@@ -30,12 +35,15 @@ def prefill_keys(context: int, chunk: int) -> float:
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 64, min_prefill_chunk: int = 16, over_target_chunk: int = 64):
+    def __init__(
+        self, window: int = 64, min_prefill_chunk: int = 16, over_target_chunk: int = 64, overshoot_quantile: float = 0.9
+    ):
         self.samples: deque[tuple[int, float, float]] = deque(maxlen=window)
         # Recent steps that computed no prompt chunk: direct evidence of what decodes alone cost.
         self.decode_steps: deque[float] = deque(maxlen=8)
         self.min_prefill_chunk = min_prefill_chunk
         self.over_target_chunk = over_target_chunk
+        self.overshoot_quantile = overshoot_quantile
 
     def observe(self, num_tokens: int, seconds: float, prefill_keys: float = 0.0) -> None:
         if num_tokens > 0 and seconds > 0:
@@ -68,6 +76,12 @@ class StepTimeModel:
         per_token = max(per_token, 1e-7)
         return StepCost(max(my - per_token * mx - per_key * mk, 0.0), per_token, per_key)
 
+    def overshoot(self, fit: StepCost) -> float:
+        """Seconds by which recent steps ran over what ``fit`` predicts for them, at the
+        ``overshoot_quantile`` of its residuals (0 when the fit is at least that exact)."""
+        residuals = sorted(y - (fit.fixed + fit.per_token * x + fit.per_key * k) for x, k, y in self.samples)
+        return max(residuals[int(self.overshoot_quantile * (len(residuals) - 1))], 0.0)
+
     def budget(self, target_s: float, num_decoding: int, max_tokens: int, prefill_context: int = 0) -> int:
         """Tokens allowed in the next step while ``num_decoding`` sequences wait on it and the
         prompt to be continued has ``prefill_context`` tokens cached already.
@@ -79,7 +93,9 @@ class StepTimeModel:
         (which stalled every running stream for one long step). The floor lets prompts always
         advance: ``min_prefill_chunk`` tokens, or the larger ``over_target_chunk`` where recent
         steps of decodes alone took longer than the target (it is missed anyway; prompts should
-        not crawl as well).
+        not crawl as well). The step is planned to end the fit's usual overshoot
+        (``overshoot``) before the target, so that the streams' p99 rather than their mean
+        stays under it.
         """
         if num_decoding == 0:
             return max_tokens
@@ -89,7 +105,7 @@ class StepTimeModel:
         fit = self.fit()
         if fit is None:
             return floor
-        spare = target_s - fit.fixed - fit.per_token * num_decoding
+        spare = target_s - self.overshoot(fit) - fit.fixed - fit.per_token * num_decoding
         if spare <= 0:
             return floor
         # The largest x with per_key / 2 x^2 + (per_token + per_key (context + 1/2)) x <= spare,

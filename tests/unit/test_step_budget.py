@@ -98,3 +98,26 @@ def test_budget_never_extrapolates_far_past_measured_steps():
         m.observe(n, 0.010 + 0.00002 * n, prefill_keys(0, n))
     assert m.budget(0.050, num_decoding=16, max_tokens=2048) == 640
 
+
+
+def test_budget_plans_for_the_fits_usual_overshoot_not_its_mean():
+    """Steps of the same size scatter around the fit: half of them run 4 ms over it. A budget
+    planned on the fit alone would put every other step 4 ms past the target; the budget
+    keeps the planned step plus that overshoot under it."""
+    fixed, per_token, scatter = 0.010, 0.0002, 0.004
+    m = StepTimeModel()
+    for n in (16, 32, 64, 128, 256) * 4:
+        for noise in (scatter, -scatter):
+            m.observe(n, fixed + per_token * n + noise, prefill_keys(0, n))
+    fit = m.fit()
+    assert fit.fixed == pytest.approx(fixed) and fit.per_token == pytest.approx(per_token)
+    assert m.overshoot(fit) == pytest.approx(scatter)
+    budget = m.budget(0.050, num_decoding=16, max_tokens=2048)
+    # (0.050 - 0.004 - 0.010) / 0.0002 = 180 tokens, against 200 for the mean
+    assert budget == 180
+    assert fixed + per_token * budget + scatter <= 0.050 + 1e-12
+
+
+def test_an_exact_fit_has_no_overshoot():
+    m = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300])
+    assert m.overshoot(m.fit()) == pytest.approx(0.0, abs=1e-12)
