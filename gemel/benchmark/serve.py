@@ -23,6 +23,11 @@ Datasets:
 
     gemel bench serve --max-concurrency 8 --num-prompts 64
     python -m gemel.benchmark.serve --base-url http://127.0.0.1:8081 --result-json out.json
+    gemel bench serve --backend vllm --port 8000 --dataset-name random --save-result  # vllm's names
+
+vllm bench serve's option names are accepted as well (``--host``/``--port``, ``--backend``,
+``--dataset-name``, ``--ignore-eos``, ``--save-result``/``--result-dir``/``--result-filename``,
+``--random-range-ratio``, ``--random-prefix-len``, ``--percentile-metrics``).
 
 The same process can be driven from Python with :func:`execute` (returns the result dict).
 """
@@ -132,6 +137,16 @@ def _distinct_firsts(rng: random.Random, n: int, id_range: tuple[int, int]) -> l
     return [lo + (i % (hi - lo)) for i in range(n)]
 
 
+def sampled_lengths(rng: random.Random, n: int, length: int, range_ratio: float) -> list[int]:
+    """``n`` lengths uniform in [length (1 - r), length (1 + r)] (at least 1), as vllm's random
+    dataset draws them; all ``length`` when r = 0 (and then no draws, so r = 0 keeps the prompts
+    a seed gave before the option existed)."""
+    if range_ratio <= 0:
+        return [length] * n
+    lo, hi = max(1, math.floor(length * (1 - range_ratio))), max(1, math.ceil(length * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def random_dataset(
     num_prompts: int,
     input_len: int,
@@ -141,57 +156,71 @@ def random_dataset(
     as_text: bool = False,
     vocab_size: int | None = None,
     chat: bool = False,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
 ) -> list[Prompt]:
-    """Fixed-length prompts, each with a distinct first token."""
+    """Prompts of ``input_len`` tokens, each with a distinct first token, ``output_len`` tokens
+    out; with ``range_ratio`` both lengths vary per request, and with ``prefix_len`` every
+    prompt starts with the same ``prefix_len`` tokens (vllm's ``--random-prefix-len``)."""
     rng = random.Random(seed)
     id_range = _id_range(tokenizer, vocab_size)
     lo, hi = id_range
     firsts = _distinct_firsts(rng, num_prompts, id_range)
+    input_lens = sampled_lengths(rng, num_prompts, input_len, range_ratio)
+    output_lens = sampled_lengths(rng, num_prompts, output_len, range_ratio)
+    if prefix_len > 0:
+        return shared_prefix_dataset(num_prompts, prefix_len, input_lens, output_lens, seed + 1, tokenizer, as_text,
+                                     vocab_size, chat, firsts=firsts)
     prompts = []
     for i in range(num_prompts):
-        ids = [firsts[i]] + [rng.randrange(lo, hi) for _ in range(input_len - 1)]
+        n_in = input_lens[i]
+        ids = [firsts[i]] + [rng.randrange(lo, hi) for _ in range(n_in - 1)]
         if as_text:
             assert tokenizer is not None
             special = 0 if chat else _special_count(tokenizer)
-            text, n = text_of_length(tokenizer, ids, input_len - special, rng, id_range)
-            prompts.append(Prompt(text, n + special, output_len))
+            text, n = text_of_length(tokenizer, ids, n_in - special, rng, id_range)
+            prompts.append(Prompt(text, n + special, output_lens[i]))
         else:
-            prompts.append(Prompt(ids, input_len, output_len))
+            prompts.append(Prompt(ids, n_in, output_lens[i]))
     return prompts
 
 
 def shared_prefix_dataset(
     num_prompts: int,
     prefix_len: int,
-    suffix_len: int,
-    output_len: int,
+    suffix_len: int | Sequence[int],
+    output_len: int | Sequence[int],
     seed: int,
     tokenizer: TokenizerLike | None = None,
     as_text: bool = False,
     vocab_size: int | None = None,
     chat: bool = False,
+    firsts: Sequence[int] | None = None,
 ) -> list[Prompt]:
-    """``num_prompts`` requests sharing one ``prefix_len``-token system prompt, distinct suffixes."""
+    """``num_prompts`` requests sharing one ``prefix_len``-token system prompt, distinct suffixes
+    (``suffix_len`` and ``output_len`` each one length for all, or one per request)."""
     rng = random.Random(seed)
     id_range = _id_range(tokenizer, vocab_size)
     lo, hi = id_range
+    suffix_lens = [suffix_len] * num_prompts if isinstance(suffix_len, int) else list(suffix_len)
+    output_lens = [output_len] * num_prompts if isinstance(output_len, int) else list(output_len)
     prefix = [rng.randrange(lo, hi) for _ in range(prefix_len)]
-    firsts = _distinct_firsts(rng, num_prompts, id_range)
-    suffixes = [[firsts[i]] + [rng.randrange(lo, hi) for _ in range(suffix_len - 1)] for i in range(num_prompts)]
+    firsts = list(firsts) if firsts is not None else _distinct_firsts(rng, num_prompts, id_range)
+    suffixes = [[firsts[i]] + [rng.randrange(lo, hi) for _ in range(suffix_lens[i] - 1)] for i in range(num_prompts)]
     if not as_text:
-        return [Prompt(prefix + s, prefix_len + suffix_len, output_len) for s in suffixes]
+        return [Prompt(prefix + s, prefix_len + len(s), n_out) for s, n_out in zip(suffixes, output_lens)]
     assert tokenizer is not None
     special = 0 if chat else _special_count(tokenizer)
     prefix_text, _ = text_of_length(tokenizer, prefix, prefix_len - special, rng, id_range)
     prompts = []
-    for s in suffixes:
-        suffix_text, n = text_of_length(tokenizer, s, suffix_len, rng, id_range)
+    for s, n_suffix, n_out in zip(suffixes, suffix_lens, output_lens):
+        suffix_text, n = text_of_length(tokenizer, s, n_suffix, rng, id_range)
         if chat:
             n_prefix = len(tokenizer.encode(prefix_text, add_special_tokens=False))
-            prompts.append(Prompt(suffix_text, n_prefix + n, output_len, system=prefix_text))
+            prompts.append(Prompt(suffix_text, n_prefix + n, n_out, system=prefix_text))
         else:
             text = prefix_text + "\n" + suffix_text
-            prompts.append(Prompt(text, len(tokenizer.encode(text, add_special_tokens=True)), output_len))
+            prompts.append(Prompt(text, len(tokenizer.encode(text, add_special_tokens=True)), n_out))
     return prompts
 
 
@@ -348,6 +377,18 @@ def parse_percentiles(text: str) -> list[float]:
             raise ValueError(f"bad --metric-percentiles item {part.strip()!r}: percentiles lie in (0, 100]")
         out.append(p)
     return out
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    """``"ttft,tpot,itl"`` -> the metrics the table shows (the JSON keeps all four)."""
+    keys = [part.strip() for part in str(text).split(",") if part.strip()]
+    known = [key for key, _, _ in METRICS]
+    for key in keys:
+        if key not in known:
+            raise ValueError(f"bad --percentile-metrics item {key!r}: choose from {','.join(known)}")
+    if not keys:
+        raise ValueError(f"--percentile-metrics names none of {','.join(known)}")
+    return keys
 
 
 def _percentile(values: Sequence[float], p: float) -> float:
@@ -522,7 +563,8 @@ def make_prompts(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> t
         raise ValueError("text prompts (or the chat endpoint) need --tokenizer (GGUF file, HF dir or packaged model name)")
     common = dict(tokenizer=tokenizer, as_text=as_text, vocab_size=args.vocab_size, chat=chat)
     if args.dataset == "random":
-        prompts = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, args.seed, **common)
+        prompts = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, args.seed,
+                                 range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, **common)
     else:
         prompts = shared_prefix_dataset(args.num_prompts, args.prefix_len, args.suffix_len, args.random_output_len,
                                         args.seed, **common)
@@ -532,8 +574,10 @@ def make_prompts(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> t
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the arguments describe; return the result dict (also what --result-json holds)."""
+    resolve_target(args)
     goodput = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.metric_percentiles)
+    parse_percentile_metrics(args.percentile_metrics)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     prompts, warm = make_prompts(args, tokenizer)
     extra = parse_extra_body(args.extra_body)
@@ -563,15 +607,18 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": args.dataset,
         "prompt_format": "text" if prompts and isinstance(prompts[0].prompt, str) else "token_ids",
         "num_prompts": args.num_prompts,
-        "input_len": args.random_input_len if args.dataset == "random" else args.prefix_len + args.suffix_len,
-        "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else None,
+        "input_len": (args.random_prefix_len + args.random_input_len if args.dataset == "random"
+                      else args.prefix_len + args.suffix_len),
+        "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else args.random_prefix_len or None,
         "output_len": args.random_output_len,
+        "range_ratio": args.random_range_ratio if args.dataset == "random" else None,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "seed": args.seed,
         "goodput_slos_ms": goodput or None,
         "percentiles": percentiles,
+        "percentile_metrics": parse_percentile_metrics(args.percentile_metrics),
     }
     result.update(metrics)
     if args.save_detailed:
@@ -580,6 +627,11 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
              "itl": r.itl, "start": r.start, "error": r.error}
             for r in results
         ]
+        # the per-request lists of vllm bench serve's JSON, under its names (seconds)
+        result["input_lens"] = [r.prompt_len for r in results]
+        result["output_lens"] = [r.output_tokens for r in results]
+        result["ttfts"] = [r.ttft for r in results]
+        result["itls"] = [r.itl for r in results]
     return result
 
 
@@ -605,7 +657,10 @@ def format_table(result: dict[str, Any]) -> str:
     row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
     row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")
     pcts = [f"p{_pct_name(p)}" for p in result.get("percentiles", [])]
+    shown = result.get("percentile_metrics") or [key for key, _, _ in METRICS]
     for key, short, title in METRICS:
+        if key not in shown:
+            continue
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         row(f"Mean {short} (ms):", result[f"mean_{key}_ms"], ".2f")
         row(f"Median {short} (ms):", result[f"median_{key}_ms"], ".2f")
@@ -638,15 +693,25 @@ def bounded(kind: type, low: float, inclusive: bool = True, what: str = ""):
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options, named as ``vllm bench serve`` names them where it has them (``--dataset-name``,
+    ``--host``/``--port``, ``--backend``, ``--save-result``, ...), so its command lines run here."""
     positive, count = bounded(int, 1), bounded(int, 0)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
-    parser.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
+    parser.add_argument("--base-url", default=None, help="server root (default http://HOST:PORT)")
+    parser.add_argument("--host", default="127.0.0.1", help="server host when no --base-url (default %(default)s)")
+    parser.add_argument("--port", type=bounded(int, 1), default=8000, help="server port when no --base-url (default %(default)s)")
+    parser.add_argument("--backend", default="openai", choices=["openai", "vllm", "openai-chat"],
+                        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions (unless --endpoint)")
+    parser.add_argument("--endpoint", default=None, choices=[COMPLETIONS, CHAT])
     parser.add_argument("--model", default=None, help="model id to request (default: the first of GET /v1/models)")
     parser.add_argument("--label", default=None, help="a name for this run, kept in the results")
-    parser.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    parser.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "shared-prefix"])
     parser.add_argument("--num-prompts", type=positive, default=100)
     parser.add_argument("--random-input-len", type=positive, default=128, help="random: prompt tokens")
     parser.add_argument("--random-output-len", type=positive, default=128, help="output tokens (both datasets)")
+    parser.add_argument("--random-range-ratio", type=_range_ratio, default=0.0,
+                        help="random: lengths drawn uniformly from [len (1 - r), len (1 + r)] (default 0: exact)")
+    parser.add_argument("--random-prefix-len", type=count, default=0,
+                        help="random: tokens every prompt starts with, before its own --random-input-len")
     parser.add_argument("--prefix-len", type=count, default=1000, help="shared-prefix: shared system prompt tokens")
     parser.add_argument("--suffix-len", type=positive, default=16, help="shared-prefix: distinct tokens per request")
     parser.add_argument("--tokenizer", default=None,
@@ -664,15 +729,57 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                        help="metrics the table shows (the JSON has all): comma-separated ttft,tpot,itl,e2el")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    eos = parser.add_mutually_exclusive_group()
+    eos.add_argument("--ignore-eos", dest="no_ignore_eos", action="store_false", default=False,
+                     help="send ignore_eos, so every request runs to its output length (the default)")
+    eos.add_argument("--no-ignore-eos", dest="no_ignore_eos", action="store_true", help="do not send ignore_eos")
     parser.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     parser.add_argument("--num-warmups", type=count, default=1, help="short unmeasured requests sent first")
     parser.add_argument("--timeout", type=bounded(float, 0, inclusive=False), default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--keep-alive", action="store_true",
                         help="reuse connections between requests (default: a fresh connection per request)")
     parser.add_argument("--result-json", default=None, help="write the results here")
+    parser.add_argument("--save-result", action="store_true",
+                        help="write the results to --result-dir/--result-filename (vllm's names)")
+    parser.add_argument("--result-dir", default=None, help="with --save-result: the directory (default: the current one)")
+    parser.add_argument("--result-filename", default=None,
+                        help="with --save-result: the file name (default BACKEND-RATEqps-concurrencyN-MODEL-DATE.json)")
     parser.add_argument("--save-detailed", action="store_true", help="keep per-request timings in the JSON")
+    parser.add_argument("--disable-tqdm", action="store_true", help="accepted for vllm's command lines (no progress bar here)")
+
+
+def _range_ratio(text: str) -> float:
+    value = bounded(float, 0)(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1 (lengths would reach 0), got {text}")
+    return value
+
+
+def resolve_target(args: argparse.Namespace) -> None:
+    """Fill ``base_url`` from ``--host``/``--port`` and ``endpoint`` from ``--backend`` where
+    they were not given (the Python API may pass a namespace that lacks the newer fields)."""
+    if not getattr(args, "base_url", None):
+        args.base_url = f"http://{getattr(args, 'host', '127.0.0.1')}:{getattr(args, 'port', 8000)}"
+    if not getattr(args, "endpoint", None):
+        args.endpoint = CHAT if getattr(args, "backend", "openai") == "openai-chat" else COMPLETIONS
+
+
+def result_path(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
+    """Where the JSON goes: --result-json, else with --save-result --result-dir/--result-filename
+    (by default named as vllm names it: backend, rate, concurrency, model, date)."""
+    if args.result_json:
+        return args.result_json
+    if not args.save_result:
+        return None
+    name = args.result_filename
+    if not name:
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model = str(result.get("model") or "model").split("/")[-1]
+        name = f"{args.backend}-{result['request_rate']}qps{concurrency}-{model}-{result['date']}.json"
+    return os.path.join(args.result_dir or ".", name)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -682,14 +789,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"gemel bench serve: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
-    if args.result_json:
+    path = result_path(args, result)
+    if path:
         try:
-            d = os.path.dirname(os.path.abspath(args.result_json))
+            d = os.path.dirname(os.path.abspath(path))
             os.makedirs(d, exist_ok=True)
-            with open(args.result_json, "w") as f:
+            with open(path, "w") as f:
                 json.dump(result, f, indent=2)
         except OSError as e:  # the table above still holds the results
-            print(f"gemel bench serve: could not write --result-json: {e}", file=sys.stderr)
+            flag = "--result-json" if args.result_json else "--save-result"
+            print(f"gemel bench serve: could not write {flag} to {path}: {e}", file=sys.stderr)
             return 2
     return 0 if result["completed"] > 0 else 1
 

@@ -383,6 +383,61 @@ def test_chat_endpoint_text_prompts(monkeypatch):
     assert len({b["messages"][1]["content"] for b in bodies}) == 4
 
 
+def test_a_vllm_bench_serve_command_line_runs_as_written(tmp_path, monkeypatch, capsys):
+    """vllm's option names: --host/--port, --backend openai-chat, --dataset-name, --ignore-eos,
+    --save-result with --result-dir, --percentile-metrics, --disable-tqdm."""
+    tok = ToyTokenizer()
+    monkeypatch.setattr(serve, "load_tokenizer", lambda source: tok)
+    with StubServer() as stub:
+        rc = serve.main(["--backend", "openai-chat", "--host", "127.0.0.1", "--port", str(stub.port),
+                         "--model", "m", "--tokenizer", "toy", "--dataset-name", "random", "--random-input-len", "12",
+                         "--random-output-len", "3", "--num-prompts", "4", "--max-concurrency", "2", "--ignore-eos",
+                         "--request-rate", "inf", "--save-result", "--result-dir", str(tmp_path / "results"),
+                         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "99", "--disable-tqdm"])
+        bodies = stub.requests[1:]
+    assert rc == 0
+    assert len(bodies) == 4 and all(b["ignore_eos"] is True and "messages" in b for b in bodies)
+    [saved] = list((tmp_path / "results").iterdir())
+    assert saved.name.startswith("openai-chat-infqps-concurrency2-m-") and saved.suffix == ".json"
+    r = json.loads(saved.read_text())
+    assert r["completed"] == 4 and r["base_url"] == stub.url and r["endpoint"] == "/v1/chat/completions"
+    assert "p99_tpot_ms" in r and "p99_e2el_ms" in r  # the JSON keeps every metric
+    table = capsys.readouterr().out
+    assert "P99 TTFT (ms):" in table and "P99 ITL (ms):" in table
+    assert "TPOT" not in table and "E2EL" not in table  # the table shows the ones asked for
+    with StubServer() as stub:
+        rc = serve.main(["--port", str(stub.port), "--num-prompts", "2", "--random-output-len", "2",
+                         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "named.json"])
+    assert rc == 0 and json.loads((tmp_path / "named.json").read_text())["endpoint"] == "/v1/completions"
+    parser = serve.build_parser()
+    for argv, why in ((["--percentile-metrics", "ttft,latency"], "bad --percentile-metrics item 'latency'"),):
+        with StubServer() as stub:
+            assert serve.main(["--base-url", stub.url, *argv]) == 2
+        assert why in capsys.readouterr().err
+    for argv, why in ((["--random-range-ratio", "1"], "must be below 1"), (["--random-range-ratio", "-0.1"], "at least 0"),
+                      (["--ignore-eos", "--no-ignore-eos"], "not allowed with"), (["--port", "0"], "at least 1")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert why in capsys.readouterr().err, argv
+
+
+def test_random_range_ratio_and_prefix_len():
+    exact = serve.random_dataset(40, 100, 20, seed=3)
+    assert [p.prompt for p in exact] == [p.prompt for p in serve.random_dataset(40, 100, 20, seed=3, range_ratio=0.0)]
+    varied = serve.random_dataset(40, 100, 20, seed=3, range_ratio=0.5)
+    ins, outs = [p.prompt_len for p in varied], [p.output_len for p in varied]
+    assert all(50 <= n <= 150 for n in ins) and all(10 <= n <= 30 for n in outs)
+    assert len(set(ins)) > 10 and len(set(outs)) > 5  # they do vary
+    assert all(len(p.prompt) == p.prompt_len for p in varied)
+    assert len({p.prompt[0] for p in varied}) == 40
+    prefixed = serve.random_dataset(6, 30, 8, seed=0, prefix_len=64)
+    assert all(len(p.prompt) == 94 == p.prompt_len and p.prompt[:64] == prefixed[0].prompt[:64] for p in prefixed)
+    assert len({p.prompt[64] for p in prefixed}) == 6  # then distinct
+    tok = ToyTokenizer()
+    text = serve.random_dataset(5, 20, 8, seed=0, tokenizer=tok, as_text=True, range_ratio=0.4)
+    assert all(len(tok.encode(p.prompt, add_special_tokens=True)) == p.prompt_len for p in text)
+
+
 def test_poisson_rate_and_failures():
     with StubServer() as stub:
         r = serve.execute(_args(stub.url, "--num-prompts", "5", "--random-output-len", "2", "--random-input-len", "4",
