@@ -6,7 +6,12 @@ scale their ITL p50 before it came (what decodes alone cost on the machine at th
 the long prompt's time to first token (what the smaller chunks cost it).
 
     python bench/chunked_prefill.py --target-ms 50
+    python bench/chunked_prefill.py --target-ms 50 --floor-only
     python bench/chunked_prefill.py --target-ms 50 --config bench/configs/latency-int8.yaml
+
+--floor-only adds a third run whose every step carries the decodes and only the budget's floor
+chunk (16 tokens): what the machine allows, since no budget that still advances the long prompt
+gives a lower ITL there.
 
 --config takes the engine section of a gemel.yaml (its itl_target_ms and
 max_num_batched_tokens are set by this script's own flags).
@@ -21,13 +26,16 @@ import sys
 import time
 
 
-def run(target_ms: float | None, args) -> dict:
+def run(target_ms: float | None, args, floor_only: bool = False) -> dict:
     from gemel import LLM, SamplingParams
 
     engine_kwargs = {"dtype": args.dtype, "kv_cache_memory_mb": 512, **args.engine}
     engine_kwargs.update(max_num_batched_tokens=args.max_batched_tokens, itl_target_ms=target_ms)
     llm = LLM(args.model, **engine_kwargs)
     engine = llm.engine
+    if floor_only:  # a target no step meets, and the floor kept where decodes alone miss it too
+        model = engine.core.step_time_model
+        model.over_target_chunk = model.min_prefill_chunk
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     for i in range(args.decoders):
@@ -73,6 +81,9 @@ def main() -> int:
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--config", default=None, help="gemel.yaml whose engine section the engine starts from")
+    ap.add_argument("--floor-only", action="store_true",
+                    help="also run the schedule whose every step carries only the floor chunk: the least ITL any "
+                         "budget that still advances the prompt gives on this machine at the time")
     args = ap.parse_args()
     args.engine = {}
     if args.config:
@@ -85,6 +96,8 @@ def main() -> int:
         f"adaptive budget (target {args.target_ms:g} ms)": run(args.target_ms, args),
         f"fixed budget ({args.max_batched_tokens} tokens)": run(None, args),
     }
+    if args.floor_only:
+        rows["floor only (every step: the decodes + the 16-token floor chunk)"] = run(0.001, args, floor_only=True)
     print(f"\n{args.decoders} decoding requests, a {args.long_prompt}-token prompt arrives\n")
     print("| scheduler | ITL p50 before it (ms) | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | its TTFT (s) |")
     print("|---|---|---|---|---|---|")
