@@ -114,7 +114,7 @@ class EngineConfig(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step")
     ngram_max: int = Field(4, ge=1, description="longest suffix the n-gram proposer matches")
     draft_layers: int = Field(8, ge=1, description="layers of the target used as the self-speculative draft")
-    num_threads: int | None = Field(None, ge=1, description="CPU threads; default all cores")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads; unset: all cores (under gemel serve, one fewer while other processes keep them busy)")
     seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
 
 

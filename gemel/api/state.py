@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,16 +67,6 @@ def mark_model(request: Request, model: ServedModel) -> None:
     request.state.model_version = model.version
 
 
-def serve_engine_config(config: GemelConfig, entry) -> EngineConfig:
-    """The entry's engine settings; unset CPU threads leave one core to the front end, whose
-    HTTP and detokenising work would otherwise fight the engine's threads at every step."""
-    engine = config.engine_config(entry)
-    if engine.num_threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        engine = engine.model_copy(update={"num_threads": max(1, cores - 1)})
-    return engine
-
-
 class ServerState:
     def __init__(self, config: GemelConfig):
         self.config = config
@@ -96,7 +85,7 @@ class ServerState:
                     max_output_tokens=entry.max_output_tokens,
                     source=entry.source,
                     engine=AsyncLLM(
-                        serve_engine_config(config, entry),
+                        config.engine_config(entry),  # unset CPU threads adapt (gemel.engine.threads)
                         stats_interval_s=config.server.stats_interval_s,
                         log_level=config.server.log_level,
                     ),

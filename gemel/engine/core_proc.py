@@ -74,7 +74,12 @@ def run_engine_core(config: dict[str, Any], input_conn: Any, output_conn: Any, s
         from gemel.config import EngineConfig
         from gemel.engine.core import EngineCore
 
-        core = EngineCore(EngineConfig(**config))
+        engine_config = EngineConfig(**config)
+        if engine_config.num_threads is None and engine_config.compile:
+            # compiled kernels keep the thread count they were compiled with, so none adapts
+            # later: leave one core to the front end, as a busy one would take it anyway
+            engine_config = engine_config.model_copy(update={"num_threads": max(1, _cores() - 1)})
+        core = EngineCore(engine_config)
     except Exception as e:  # the front end reports it and /readyz stays red
         log.exception("engine failed to start")
         output_conn.send(Failed(f"{type(e).__name__}: {e}"))
@@ -92,12 +97,31 @@ def run_engine_core(config: dict[str, Any], input_conn: Any, output_conn: Any, s
             pid=os.getpid(),
         )
     )
-    EngineLoop(core, input_conn, output_conn, stats_interval_s, parent).run()
+    EngineLoop(core, input_conn, output_conn, stats_interval_s, parent, threads=adaptive_threads(core, parent)).run()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def adaptive_threads(core: Any, front_end_pid: int) -> Any:
+    """With ``num_threads`` unset, a CPU engine of a machine with 2 or more cores gets all of them
+    while no other process keeps them busy and one fewer while one does (``engine/threads.py``)."""
+    if core.config.num_threads is not None or getattr(core.device, "type", "cpu") != "cpu":
+        return None
+    cores = _cores()
+    if cores < 2:
+        return None
+    from gemel.engine.threads import AdaptiveThreads
+
+    return AdaptiveThreads(cores, own_pids=[os.getpid(), front_end_pid])
 
 
 class EngineLoop:
-    def __init__(self, core: Any, input_conn: Any, output_conn: Any, stats_interval_s: float, parent_pid: int):
+    def __init__(self, core: Any, input_conn: Any, output_conn: Any, stats_interval_s: float, parent_pid: int,
+                 threads: Any = None):
         self.core = core
+        self.threads = threads  # AdaptiveThreads, or None: the thread count stays as configured
         self.input_conn = input_conn
         self.output_conn = output_conn
         self.stats_interval_s = stats_interval_s
@@ -117,6 +141,8 @@ class EngineLoop:
             changed = self._handle(messages, rejected)
             outputs = []
             if self.core.has_unfinished():
+                if self.threads is not None:
+                    self.threads.poll()
                 steps = getattr(self.core, "num_steps", 0)
                 outputs = self.core.step()
                 if getattr(self.core, "num_steps", 0) != steps:
