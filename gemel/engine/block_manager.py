@@ -83,6 +83,27 @@ class BlockManager:
             parent = h
         return block_ids, hashes
 
+    def hashes_completed(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Hashes of the full blocks ``seq`` completes when ``num_new_tokens`` more of its tokens
+        are computed: what a step that computes them will add to the cache."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        hashes = []
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens) // bs):
+            parent = hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), seq.tenant)
+            hashes.append(parent)
+        return hashes
+
+    def first_uncached_hash(self, seq: Sequence, cached_hashes: list[int]) -> int | None:
+        """Hash of the block after ``seq``'s cached prefix, if that block is one a later lookup
+        could find (a full block before the prompt's last token)."""
+        i, bs = len(cached_hashes), self.block_size
+        if not self.enable_prefix_caching or i >= (seq.num_tokens - 1) // bs:
+            return None
+        return hash_block(cached_hashes[-1] if cached_hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]), seq.tenant)
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens

@@ -105,6 +105,10 @@ class Scheduler:
 
         # 1. Running sequences, most important first; the least important yield blocks.
         scheduled_ids: set[str] = set()
+        # Blocks this step's prompt chunks complete: a waiting prompt whose next uncached block is
+        # one of them waits a step and then reuses it, instead of computing it a second time
+        # (32 requests behind one system prompt arrive together; SGLang's in-batch prefix check).
+        completing: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -124,6 +128,8 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, num_new))
                 scheduled_ids.add(seq.seq_id)
+                if seq.num_uncomputed_tokens > 1:
+                    completing.update(self.block_manager.hashes_completed(seq, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -144,6 +150,8 @@ class Scheduler:
             cached_hashes: list[int] = []
             if seq.num_computed_tokens == 0:
                 cached_ids, cached_hashes = self.block_manager.find_cached_prefix(seq)
+                if completing and self.block_manager.first_uncached_hash(seq, cached_hashes) in completing:
+                    continue  # another prompt computes its next block this step: reuse it next step
             num_cached = len(cached_ids) * self.block_manager.block_size
             num_new = seq.num_tokens - max(num_cached, seq.num_computed_tokens)
             if num_new > budget:
@@ -157,6 +165,7 @@ class Scheduler:
                 seq.num_cached_tokens = max(num_cached, seq.num_computed_tokens)  # forked KV counts
                 self.block_manager.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
                 out.first_scheduled.append(seq)
+            completing.update(self.block_manager.hashes_completed(seq, num_new))
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

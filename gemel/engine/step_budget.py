@@ -91,18 +91,23 @@ class StepTimeModel:
         the largest step measured. A long prompt arriving after a run of decode-only steps
         therefore probes larger steps instead of taking the whole budget at once on a guess
         (which stalled every running stream for one long step). The floor lets prompts always
-        advance: ``min_prefill_chunk`` tokens, or the larger ``over_target_chunk`` where recent
-        steps of decodes alone took longer than the target (it is missed anyway; prompts should
-        not crawl as well). The step is planned to end the fit's usual overshoot
+        advance: ``min_prefill_chunk`` tokens, or the larger ``over_target_chunk`` where decodes
+        alone take longer than the target (it is missed anyway; prompts should not crawl as
+        well): as recent decode-only steps measured it, or as the fit predicts it when every
+        recent step carried a prompt chunk. The step is planned to end the fit's usual overshoot
         (``overshoot``) before the target, so that the streams' p99 rather than their mean
         stays under it.
         """
         if num_decoding == 0:
             return max_tokens
+        fit = self.fit()
         if self.decode_steps and statistics.median(self.decode_steps) > target_s:
             return num_decoding + self.over_target_chunk
+        if fit is not None and fit.fixed + fit.per_token * num_decoding > target_s:
+            # no recent step ran decodes alone (each carried a prompt chunk), but the fit says
+            # they would miss the target by themselves (e.g. 30 streams behind a long shared prompt)
+            return num_decoding + self.over_target_chunk
         floor = num_decoding + self.min_prefill_chunk
-        fit = self.fit()
         if fit is None:
             return floor
         spare = target_s - self.overshoot(fit) - fit.fixed - fit.per_token * num_decoding

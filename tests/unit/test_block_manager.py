@@ -95,9 +95,10 @@ def test_scheduler_respects_sequence_cap():
 def test_preemption_picks_lowest_priority_latest_arrival():
     bm = BlockManager(6, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), bm, clock=lambda: 0.0)
+    # distinct prompts: identical ones would wait for each other's blocks (in-step prefix reuse)
     p0 = seq("p0", list(range(8)), priority=0, arrival=0.0)
-    p2_old = seq("p2-old", list(range(8)), priority=2, arrival=0.0)
-    p2_new = seq("p2-new", list(range(8)), priority=2, arrival=0.0001)
+    p2_old = seq("p2-old", list(range(10, 18)), priority=2, arrival=0.0)
+    p2_new = seq("p2-new", list(range(20, 28)), priority=2, arrival=0.0001)
     for s in (p0, p2_old, p2_new):
         sched.add(s)
     out = sched.schedule()
@@ -157,8 +158,52 @@ def test_tenant_quotas_cap_running_sequences_and_kv_share():
     sched2 = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1000), bm2, clock=lambda: 0.0)
     share = TenantQuota(max_kv_blocks_share=0.25)  # 5 of 20 blocks
     for i in range(3):
-        s = seq(f"k{i}", list(range(8)))  # 2 blocks each
+        s = seq(f"k{i}", list(range(10 * i, 10 * i + 8)))  # 2 blocks each, distinct
         s.tenant, s.quota = "k", share
         sched2.add(s)
     out = sched2.schedule()
     assert len(out.scheduled) == 2  # a third would hold 6 blocks > 5
+
+
+def test_prompts_that_arrive_together_reuse_a_shared_prefix_instead_of_computing_it_twice():
+    """Prompts behind one system prompt arrive in the same step: the first computes the shared
+    blocks, the others wait one step and then find them cached (one physical copy)."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), bm)
+    system = list(range(1000, 1012))  # 3 full blocks
+    first, second, third = (seq(f"s{i}", system + [i, i + 1]) for i in range(3))
+    other = seq("other", list(range(2000, 2014)))  # unrelated: not held back
+    for s in (first, second, third, other):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == ["s0", "other"]
+    assert [s.seq_id for s in sched.waiting] == ["s1", "s2"]
+    sched.update_after_step(out)
+    first.append_token(7)
+    other.append_token(7)
+    out = sched.schedule()
+    assert {(s.seq_id, n) for s, n in out.scheduled} == {("s0", 1), ("other", 1), ("s1", 2), ("s2", 2)}
+    assert second.num_cached_tokens == third.num_cached_tokens == 12
+    assert second.block_table[:3] == third.block_table[:3] == first.block_table[:3]
+    assert bm.stats.hits == 24
+
+
+def test_a_prompt_waits_for_the_block_a_running_chunk_computes_this_step():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), bm)
+    long = seq("long", list(range(100, 124)))  # 6 blocks, prefilled 8 tokens a step
+    sched.add(long)
+    sched.update_after_step(sched.schedule())  # blocks 0-1 computed and cached
+    follower = seq("follower", list(range(100, 116)) + [5])  # shares blocks 0-3
+    sched.add(follower)
+    sched.token_budget = 20  # room for follower too, but long computes blocks 2-5 now, and
+    out = sched.schedule()  # follower's first uncached block is block 2
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [("long", 16)] and sched.waiting == [follower]
+    sched.update_after_step(out)
+    long.append_token(7)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [("long", 1), ("follower", 1)]
+    assert follower.num_cached_tokens == 16 and follower.block_table[:4] == long.block_table[:4]
+    other_tenant = seq("t2", list(range(100, 116)) + [6])
+    other_tenant.tenant = "t2"  # a prefix is never shared across tenants, so never waited for
+    assert bm.first_uncached_hash(other_tenant, []) != bm.first_uncached_hash(follower, [])

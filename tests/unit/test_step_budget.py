@@ -62,8 +62,11 @@ def test_later_chunks_of_a_long_prompt_get_fewer_tokens():
 def test_no_decodes_means_full_budget_and_floor_guarantees_progress():
     m = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300])
     assert m.budget(0.050, num_decoding=0, max_tokens=512) == 512
-    # A target the fit says the decodes alone cannot meet still lets prefills advance by a small chunk.
-    assert m.budget(0.005, num_decoding=40, max_tokens=512) == 40 + m.min_prefill_chunk
+    # A target the fit says the decodes alone cannot meet lets prefills advance by the larger
+    # chunk, as measured decode-only steps over the target do (it is missed anyway).
+    assert m.budget(0.005, num_decoding=40, max_tokens=512) == 40 + m.over_target_chunk
+    # Where the decodes fit but nothing more does, prompts still advance by the floor.
+    assert m.budget(0.010 + 0.0002 * 40 + 0.001, num_decoding=40, max_tokens=512) == 40 + m.min_prefill_chunk
 
 
 def test_decode_steps_over_the_target_let_prompts_take_a_larger_chunk():
@@ -121,3 +124,16 @@ def test_budget_plans_for_the_fits_usual_overshoot_not_its_mean():
 def test_an_exact_fit_has_no_overshoot():
     m = fed(0.010, 0.0002, [1, 8, 32, 64, 128, 300])
     assert m.overshoot(m.fit()) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_steps_that_all_carry_a_chunk_still_reveal_decodes_over_the_target():
+    """30 streams behind a long shared prompt: every step also prefills a newcomer's chunk, so
+    no step runs decodes alone; the fit says they alone take ~95 ms against a 50 ms target, so
+    newcomers are admitted by the larger chunk instead of crawling in by the floor."""
+    m = StepTimeModel()
+    for decoding in range(1, 31):
+        tokens = decoding + 16
+        keys = prefill_keys(1000, 16)
+        m.observe(tokens, 0.005 + 0.003 * tokens + 1e-8 * keys, keys)
+    assert not m.decode_steps
+    assert m.budget(0.050, num_decoding=30, max_tokens=2048, prefill_context=1000) == 30 + m.over_target_chunk
