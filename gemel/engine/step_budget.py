@@ -93,8 +93,8 @@ class StepTimeModel:
         (which stalled every running stream for one long step). The floor lets prompts always
         advance: ``min_prefill_chunk`` tokens, or the larger ``over_target_chunk`` where decodes
         alone take longer than the target (it is missed anyway; prompts should not crawl as
-        well): as recent decode-only steps measured it, or as the fit predicts it when every
-        recent step carried a prompt chunk. The step is planned to end the fit's usual overshoot
+        well): as recent decode-only steps measured it, or as the fit predicts it (all there is
+        when every recent step carried a prompt chunk). The step is planned to end the fit's usual overshoot
         (``overshoot``) before the target, so that the streams' p99 rather than their mean
         stays under it.
         """
@@ -104,8 +104,8 @@ class StepTimeModel:
         if self.decode_steps and statistics.median(self.decode_steps) > target_s:
             return num_decoding + self.over_target_chunk
         if fit is not None and fit.fixed + fit.per_token * num_decoding > target_s:
-            # no recent step ran decodes alone (each carried a prompt chunk), but the fit says
-            # they would miss the target by themselves (e.g. 30 streams behind a long shared prompt)
+            # the fit says decodes alone would miss it: all there is to go by when every step
+            # carries a newcomer's chunk (e.g. 30 streams behind a long shared prompt)
             return num_decoding + self.over_target_chunk
         floor = num_decoding + self.min_prefill_chunk
         if fit is None:
