@@ -233,7 +233,8 @@ class EngineCore:
         decoding = sum(1 for s in running if s.num_uncomputed_tokens <= 1)
         # The prompt a chunk would continue (running ones come first); a new prompt starts at 0.
         context = max((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1), default=0)
-        self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context)
+        waiting = len(self.scheduler.waiting) + sum(1 for s in running if s.num_uncomputed_tokens > 1)
+        self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context, waiting)
 
     def step(self) -> list[EngineCoreOutput]:
         if self.pending_forks:

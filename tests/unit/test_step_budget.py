@@ -137,3 +137,15 @@ def test_steps_that_all_carry_a_chunk_still_reveal_decodes_over_the_target():
         m.observe(tokens, 0.005 + 0.003 * tokens + 1e-8 * keys, keys)
     assert not m.decode_steps
     assert m.budget(0.050, num_decoding=30, max_tokens=2048, prefill_context=1000) == 30 + m.over_target_chunk
+
+
+def test_requests_waiting_for_a_first_token_weigh_against_the_streams_next_one():
+    fixed, per_token = 0.010, 0.0002
+    m = fed(fixed, per_token, [1, 8, 32, 64, 128, 300])
+    alone = m.budget(0.050, num_decoding=4, max_tokens=4096)
+    assert alone == 200  # (0.050 - 0.010) / 0.0002
+    assert m.budget(0.050, num_decoding=4, max_tokens=4096, num_waiting=4) == alone  # no more than decode
+    # 28 requests wait behind 4 streams: the step may take 7 x 50 ms, capped by what was measured
+    assert m.budget(0.050, num_decoding=4, max_tokens=4096, num_waiting=28) == 2 * 300
+    m.observe(2000, fixed + per_token * 2000, prefill_keys(0, 2000))
+    assert m.budget(0.050, num_decoding=4, max_tokens=4096, num_waiting=28) == 1700  # (0.350 - 0.010) / 0.0002
