@@ -39,8 +39,9 @@ class StepTimeModel:
         self, window: int = 64, min_prefill_chunk: int = 16, over_target_chunk: int = 64, overshoot_quantile: float = 0.9
     ):
         self.samples: deque[tuple[int, float, float]] = deque(maxlen=window)
-        # Recent steps that computed no prompt chunk: direct evidence of what decodes alone cost.
-        self.decode_steps: deque[float] = deque(maxlen=8)
+        # Recent steps that computed no prompt chunk, (tokens, seconds): direct evidence of what
+        # decodes alone cost, at the batch they ran.
+        self.decode_steps: deque[tuple[int, float]] = deque(maxlen=8)
         self.min_prefill_chunk = min_prefill_chunk
         self.over_target_chunk = over_target_chunk
         self.overshoot_quantile = overshoot_quantile
@@ -49,7 +50,7 @@ class StepTimeModel:
         if num_tokens > 0 and seconds > 0:
             self.samples.append((num_tokens, prefill_keys, seconds))
             if prefill_keys == 0:
-                self.decode_steps.append(seconds)
+                self.decode_steps.append((num_tokens, seconds))
 
     def fit(self) -> StepCost | None:
         """The cost plane, or None until the samples span two sizes. The keys' term is fitted
@@ -101,8 +102,9 @@ class StepTimeModel:
         (which stalled every running stream for one long step). The floor lets prompts always
         advance: ``min_prefill_chunk`` tokens, or the larger ``over_target_chunk`` where decodes
         alone take longer than the target (it is missed anyway; prompts should not crawl as
-        well): as recent decode-only steps measured it, or as the fit predicts it (all there is
-        when every recent step carried a prompt chunk). The step is planned to end the fit's usual overshoot
+        well): as recent decode-only steps of about this batch measured it, or, where there are
+        none, as the fit predicts it (a plane fitted to steps that all carry a chunk
+        extrapolates poorly to decodes alone, so measurements come first). The step is planned to end the fit's usual overshoot
         (``overshoot``) before the target, so that the streams' p99 rather than their mean
         stays under it.
         """
@@ -110,11 +112,13 @@ class StepTimeModel:
             return max_tokens
         target_s *= max(1.0, num_waiting / num_decoding)
         fit = self.fit()
-        if self.decode_steps and statistics.median(self.decode_steps) > target_s:
-            return num_decoding + self.over_target_chunk
-        if fit is not None and fit.fixed + fit.per_token * num_decoding > target_s:
-            # the fit says decodes alone would miss it: all there is to go by when every step
-            # carries a newcomer's chunk (e.g. 30 streams behind a long shared prompt)
+        measured = [t for n, t in self.decode_steps if abs(n - num_decoding) <= max(2, num_decoding // 4)]
+        if measured:  # decode-only steps of about this batch: what decodes alone cost
+            decodes_over = statistics.median(measured) > target_s
+        else:  # none (every recent step carried a newcomer's chunk, e.g. 30 streams behind a
+            # long shared prompt): the fit's prediction is all there is to go by
+            decodes_over = fit is not None and fit.fixed + fit.per_token * num_decoding > target_s
+        if decodes_over:
             return num_decoding + self.over_target_chunk
         floor = num_decoding + self.min_prefill_chunk
         if fit is None:

@@ -149,3 +149,21 @@ def test_requests_waiting_for_a_first_token_weigh_against_the_streams_next_one()
     assert m.budget(0.050, num_decoding=4, max_tokens=4096, num_waiting=28) == 2 * 300
     m.observe(2000, fixed + per_token * 2000, prefill_keys(0, 2000))
     assert m.budget(0.050, num_decoding=4, max_tokens=4096, num_waiting=28) == 1700  # (0.350 - 0.010) / 0.0002
+
+
+def test_measured_decode_steps_of_the_batch_outrank_the_fits_prediction():
+    """16 streams decode in 30 ms alone; then each step also carries a 16-token chunk of a long
+    prompt at 55-60 ms, from which a plane predicts decodes alone over the 50 ms target. The
+    measured steps decide (no 64-token chunk, which would spike the streams' ITL); steps
+    measured at another batch size do not."""
+    m = StepTimeModel()
+    for _ in range(8):
+        m.observe(16, 0.030)
+    for i in range(40):
+        tokens, keys = 32, prefill_keys(100 + 16 * i, 16)
+        m.observe(tokens, 0.055 + 0.005 * (i % 2), keys)
+        m.observe(33, 0.062 + 0.005 * (i % 2), keys)
+    fit = m.fit()
+    assert fit.fixed + fit.per_token * 16 > 0.050  # the plane alone would say "over"
+    assert m.budget(0.050, num_decoding=16, max_tokens=2048, prefill_context=800) == 16 + m.min_prefill_chunk
+    assert m.budget(0.050, num_decoding=40, max_tokens=2048, prefill_context=800) == 40 + m.over_target_chunk
