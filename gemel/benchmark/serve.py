@@ -760,11 +760,11 @@ def _range_ratio(text: str) -> float:
 
 def resolve_target(args: argparse.Namespace) -> None:
     """Fill ``base_url`` from ``--host``/``--port`` and ``endpoint`` from ``--backend`` where
-    they were not given (the Python API may pass a namespace that lacks the newer fields)."""
-    if not getattr(args, "base_url", None):
-        args.base_url = f"http://{getattr(args, 'host', '127.0.0.1')}:{getattr(args, 'port', 8000)}"
-    if not getattr(args, "endpoint", None):
-        args.endpoint = CHAT if getattr(args, "backend", "openai") == "openai-chat" else COMPLETIONS
+    they were not given."""
+    if not args.base_url:
+        args.base_url = f"http://{args.host}:{args.port}"
+    if not args.endpoint:
+        args.endpoint = CHAT if args.backend == "openai-chat" else COMPLETIONS
 
 
 def result_path(args: argparse.Namespace, result: dict[str, Any]) -> str | None:

@@ -128,7 +128,7 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, num_new))
                 scheduled_ids.add(seq.seq_id)
-                if seq.num_uncomputed_tokens > 1:
+                if self.waiting and seq.num_uncomputed_tokens > 1:  # only waiting prompts look
                     completing.update(self.block_manager.hashes_completed(seq, num_new))
                 budget -= num_new
                 i += 1
