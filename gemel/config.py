@@ -54,17 +54,26 @@ class EngineConfig(BaseModel):
     itl_target_ms: float | None = Field(
         50.0, gt=0, description="step-time target while requests decode (F13); null: always the full budget"
     )
+    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "amx"] = Field(
+        "auto",
+        description="instruction-set level of the CPU kernels and of the kernel plan: auto = the CPU's own; a "
+        "lower level runs what CPUs of that class run (e.g. avx2 on an AVX-512 machine, to measure that plan); "
+        "a level the CPU lacks is refused. $GEMEL_CPU_ISA caps it for a whole process",
+    )
     weight_quant: Literal["auto", "none", "checkpoint", "int8", "int4"] = Field(
         "auto",
-        description="weight-only low-bit copies of the projections for small decode batches (CPU): "
-        "checkpoint = the GGUF's own Q4_0/Q4_1/Q8_0 groups, exact; int8/int4 = re-quantised, lossy; "
-        "auto = checkpoint where the engine runs bf16 on CPU, none elsewhere (float32 keeps its exact sums)",
+        description="low-bit copies of the projections (CPU): checkpoint = the GGUF's own groups (Q4_0, Q4_1, "
+        "Q4_K, Q5_0, Q8_0), exact; int8/int4 = re-quantised, lossy; none = the dense weights. auto = checkpoint: "
+        "in bf16 as weight-only copies for small decode batches; in float32 chosen by dtype auto (a CPU without "
+        "native bf16) for every call with x rounded to int8 (int8_activations, llama.cpp's arithmetic); a "
+        "float32 asked for by name keeps the dense weights and their exact sums",
     )
     int8_activations: bool = Field(
         False,
         description="calls with more rows than the weight-only kernels take (large decode batches, prefill) on the "
         "checkpoint's own weight groups (GGUF Q4_0/Q4_1/Q8_0) with x rounded to int8 per group of 32, llama.cpp's "
-        "arithmetic: faster than bf16 on AVX512-VNNI CPUs without AMX, slightly different outputs (CPU)",
+        "arithmetic: faster than bf16 on AVX512-VNNI CPUs without AMX and than float32 on AVX2 CPUs, slightly "
+        "different outputs (CPU)",
     )
     int8_act_max_rows: int | None = Field(
         None,

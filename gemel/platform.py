@@ -1,23 +1,19 @@
-"""Device and dtype choice (SPEC F20): CUDA with bf16 when present; on CPU, bf16 only
-where the hardware computes it natively (AMX or AVX512-BF16), else float32."""
+"""Device and dtype choice: CUDA with bf16 when present; on CPU, bf16 only where the hardware
+computes it natively (AMX or AVX512-BF16, at the instruction-set level the engine runs), else
+float32. A bf16 asked for by name on a CPU without it is computed by PyTorch's portable kernels:
+correct, and slower than float32."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from gemel.layers import kernel_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("amx_bf16", "avx512_bf16"))
+def cpu_has_native_bf16(cpu_isa: str = "auto") -> bool:
+    return kernel_plan.native_bf16(kernel_plan.resolve_isa(cpu_isa))
 
 
 def select_device(name: str = "auto") -> torch.device:
@@ -28,9 +24,9 @@ def select_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def select_dtype(name: str, device: torch.device) -> torch.dtype:
+def select_dtype(name: str, device: torch.device, cpu_isa: str = "auto") -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16(cpu_isa) else torch.float32

@@ -20,22 +20,12 @@ from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel, prefill_keys
-from gemel.layers import cpu_kernels
-from gemel.layers.linear import AMX_INT8_ACT_MAX_ROWS, AMX_TILE_MAX_ROWS, prepack_model_, quantize_model_
+from gemel.layers.kernel_plan import plan_engine
+from gemel.layers.linear import apply_plan_
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
 
 log = logging.getLogger("gemel.engine")
-
-
-def resolve_weight_quant(mode: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto``: the checkpoint's own low-bit groups for small batches where the engine runs
-    bf16 on CPU (the kernels carry x finer than bf16 rounds it, and at one row they read a
-    quarter of the bytes: half the batch-1 step), the dense weights elsewhere (float32 is
-    asked for its exact sums; the packed kernels are CPU kernels)."""
-    if mode != "auto":
-        return mode
-    return "checkpoint" if device.type == "cpu" and dtype == torch.bfloat16 else "none"
 
 
 class EngineCore:
@@ -44,36 +34,27 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
-        self.dtype = select_dtype(config.dtype, self.device)
+        self.dtype = select_dtype(config.dtype, self.device, config.cpu_isa)
         t0 = time.monotonic()
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
-        self.weight_quant = resolve_weight_quant(config.weight_quant, self.device, self.dtype)
-        packed_rows = config.packed_max_rows
-        if packed_rows is None:  # 8 rows where gemel's VNNI kernel will serve the 4-bit groups
-            vnni = self.weight_quant != "none" and self.device.type == "cpu" and cpu_kernels.has_vnni()
-            packed_rows = 8 if vnni and cpu_kernels.load() else 4
-        int8_activations = config.int8_activations and self.device.type == "cpu" and cpu_kernels.has_vnni()
-        int8_activations = int8_activations and cpu_kernels.load()
-        if config.int8_activations and not int8_activations:
-            log.warning("int8_activations needs a CPU with AVX512-VNNI and the C++ kernels; using the dense weights")
-        int8_act_max_rows = config.int8_act_max_rows
-        if int8_act_max_rows is None:  # AMX: bf16 tiles for prefill-sized calls (docs/performance.md, ninth pass)
-            int8_act_max_rows = AMX_INT8_ACT_MAX_ROWS if cpu_kernels.has_amx() else None
-        amx_max_rows = config.amx_max_rows
-        amx_ok = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.amx_tiles_available()
-        if amx_max_rows is None:
-            amx_max_rows = AMX_TILE_MAX_ROWS if amx_ok else 0
-        elif amx_max_rows and not amx_ok:
-            log.warning("amx_max_rows needs a CPU with AMX-BF16, bf16 weights and the C++ kernels; not used")
-            amx_max_rows = 0
-        if amx_max_rows and int8_act_max_rows is not None and int8_act_max_rows <= amx_max_rows:
-            int8_activations = False  # every call it would take goes to the AMX tiles (docs/performance.md, eleventh pass)
-        quantize_model_(
-            self.loaded.model, self.weight_quant, packed_rows, int8_activations, int8_act_max_rows, amx_max_rows
+        self.plan, warnings = plan_engine(
+            device=self.device,
+            dtype=self.dtype,
+            dtype_requested=config.dtype,
+            weight_quant=config.weight_quant,
+            cpu_isa=config.cpu_isa,
+            packed_max_rows=config.packed_max_rows,
+            int8_activations=config.int8_activations,
+            int8_act_max_rows=config.int8_act_max_rows,
+            amx_max_rows=config.amx_max_rows,
         )
-        prepack_model_(self.loaded.model, keep_dense=config.compile)
+        for warning in warnings:
+            log.warning(warning)
+        log.info("kernel plan: %s", self.plan.describe())
+        self.weight_quant = self.plan.weight_quant
+        apply_plan_(self.loaded.model, self.plan, keep_dense=config.compile)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype

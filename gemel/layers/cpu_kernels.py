@@ -9,11 +9,15 @@ activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI) and on bf16 weights laid o
 embedding for eager steps (``csrc/fused_ops.cpp``), and greedy sampling's argmax
 (``csrc/argmax.cpp``). They are compiled (one compiler process per source, in parallel) into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
-also needs on CPU), once per source, PyTorch version and CPU, and cached under
-``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``). Where that fails, :func:`load`
-returns False and callers keep their pure PyTorch paths. ``$GEMEL_KERNEL_MARCH`` (default
-``native``) is the ``-march`` they are built for: ``x86-64-v3``, for instance, builds the
-plain C++ paths that CPUs without AVX-512 run, which a test checks.
+also needs on CPU), once per source, PyTorch version and instruction-set level, and cached
+under ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``); ``scripts/install.sh``
+builds them ahead (``python -m gemel.layers.cpu_kernels``), so the first ``gemel serve`` starts
+in seconds. Where building fails, :func:`load` returns False and callers keep their pure
+PyTorch paths.
+
+A process runs one level (``gemel.layers.kernel_plan``): the CPU's own (built with
+``-march=native``), or a lower one asked for with ``engine.cpu_isa`` or ``$GEMEL_CPU_ISA``,
+built for that level's generic x86-64 target; the tests run every level the CPU executes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -31,37 +34,30 @@ from pathlib import Path
 
 import torch
 
+from gemel.layers import kernel_plan
+
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _loaded: bool | None = None  # None: not tried yet
-
-
-def _march() -> str:
-    return os.environ.get("GEMEL_KERNEL_MARCH", "native")
+_loaded_isa: str | None = None  # the level of the library loaded
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return " ".join(sorted(kernel_plan.cpu_info().flags))
 
 
 def has_vnni() -> bool:
-    """Whether this CPU has the AVX512-VNNI dot products that make int4_group_mm fast (it
-    has a plain C++ loop elsewhere, correct but slower than PyTorch's int4 kernel)."""
-    flags = _cpu_flags().split()
-    return "avx512_vnni" in flags and "avx512bw" in flags
+    """Whether the loaded kernels (or, before loading, this CPU's level) run AVX512-VNNI dot
+    products, which make int4_group_mm fast (it has a plain C++ loop elsewhere)."""
+    level = _loaded_isa or kernel_plan.resolve_isa()
+    return kernel_plan.isa_rank(level) >= kernel_plan.isa_rank("avx512") and kernel_plan.cpu_info().has("avx512_vnni")
 
 
 def has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bf16, where oneDNN's bf16 GEMMs outrun int8_act_gemm."""
-    return "amx_bf16" in _cpu_flags().split()
+    """Whether this process runs the AMX level, where oneDNN's bf16 GEMMs outrun int8_act_gemm."""
+    return (_loaded_isa or kernel_plan.resolve_isa()) == "amx"
 
 
 def amx_tiles_available() -> bool:
@@ -74,7 +70,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("GEMEL_KERNEL_CACHE", Path.home() / ".cache" / "gemel" / "kernels"))
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, isa: str) -> None:
     """Compile the sources into ``target`` (written atomically, so concurrent builds are safe).
 
     One compiler process per source, as many at once as there are cores, then one link: most
@@ -87,7 +83,8 @@ def _build(target: Path) -> None:
         raise RuntimeError("no C++ compiler found")
     torch_lib = library_paths()[0]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-fPIC", "-std=c++17", "-O3", f"-march={_march()}", "-fopenmp", "-ffast-math",
+    flags = ["-fPIC", "-std=c++17", "-O3", *kernel_plan.compile_flags(isa), "-fopenmp", "-ffast-math",
+             f'-DGEMEL_ISA="{isa}"', "-fvisibility=hidden", "-fvisibility-inlines-hidden",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -111,27 +108,54 @@ def _build(target: Path) -> None:
         os.replace(out, target)
 
 
-def load() -> bool:
-    """Make ``torch.ops.gemel.*`` available on CPU; False (logged once) where it cannot be built."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
+def library_path(isa: str) -> Path:
+    """Where the kernels built for ``isa`` are cached (the key covers their sources, the compiler
+    flags, PyTorch and Python, and for a native build the CPU's flags)."""
+    flags = kernel_plan.compile_flags(isa)
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-        + torch.__version__.encode() + sys.version.encode() + _cpu_flags().encode() + _march().encode()
+        + torch.__version__.encode() + sys.version.encode() + " ".join(flags).encode()
+        + (_cpu_flags().encode() if "-march=native" in flags else b"")
     ).hexdigest()[:16]
-    target = _cache_dir() / key / "gemel_cpu_kernels.so"
+    return _cache_dir() / f"{isa}-{key}" / "gemel_cpu_kernels.so"
+
+
+def build(isa: str) -> Path:
+    """Build (if not cached) the kernels for ``isa`` and return the library's path."""
+    target = library_path(isa)
+    if not target.exists():
+        log.info("building the C++ CPU kernels for %s (once; cached in %s)", isa, target.parent)
+        _build(target, isa)
+    return target
+
+
+def loaded_isa() -> str | None:
+    """The level of the kernels this process loaded, None before (or without) them."""
+    return _loaded_isa
+
+
+def load(isa: str | None = None) -> bool:
+    """Make ``torch.ops.gemel.*`` available on CPU, built for ``isa`` (default: the CPU's level
+    capped by ``$GEMEL_CPU_ISA``); False (logged once) where it cannot be built. A process holds
+    one level: a later call for another level keeps the loaded one (see :func:`loaded_isa`)."""
+    global _loaded, _loaded_isa
+    if _loaded is not None:
+        return _loaded
     try:
-        if not target.exists():
-            log.info("building the C++ CPU kernels (once; cached in %s)", target.parent)
-            _build(target)
-        torch.ops.load_library(str(target))
+        level = isa or kernel_plan.resolve_isa()
+        torch.ops.load_library(str(build(level)))
         _register_fake()
-        _loaded = True
+        _loaded, _loaded_isa = True, level
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the fallback"
         log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", exc)
         _loaded = False
     return _loaded
+
+
+def cached_levels() -> dict[str, bool]:
+    """For each level this CPU runs: whether its kernels are built and cached."""
+    best = kernel_plan.isa_rank(kernel_plan.cpu_info().best_isa)
+    return {level: library_path(level).exists() for level in kernel_plan.ISA_LEVELS[: best + 1]}
 
 
 def _register_fake() -> None:
@@ -161,3 +185,31 @@ def _register_fake() -> None:
     @torch.library.register_fake("gemel::int4_group_mm")
     def _(x, packed, out_features):
         return x.new_empty(x.shape[0], out_features)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gemel.layers.cpu_kernels [LEVEL ...]``: build the kernels ahead of use, for the
+    given levels (default: every level this CPU runs, its own first)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("levels", nargs="*", metavar="LEVEL", help=", ".join(kernel_plan.ISA_LEVELS))
+    args = parser.parse_args(argv)
+    unknown = [level for level in args.levels if level not in kernel_plan.ISA_LEVELS]
+    if unknown:
+        parser.error(f"unknown level(s) {unknown}; choose from {', '.join(kernel_plan.ISA_LEVELS)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    best = kernel_plan.cpu_info().best_isa
+    levels = args.levels or [best, *reversed(kernel_plan.ISA_LEVELS[: kernel_plan.isa_rank(best)])]
+    failed = 0
+    for level in levels:
+        try:
+            print(f"{level}: {build(level)}")
+        except Exception as exc:  # noqa: BLE001 - report each level, keep building the others
+            print(f"{level}: not built ({exc})", file=sys.stderr)
+            failed += 1
+    return 1 if failed == len(levels) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

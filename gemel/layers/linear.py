@@ -28,23 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemel.layers import cpu_kernels
+from gemel.layers.kernel_plan import (  # noqa: F401 - the row thresholds, re-exported for callers
+    bf16_gemm_supported,
+    AMX_INT8_ACT_MAX_ROWS,
+    AMX_INT8_GROUPS_MAX_ROWS,
+    AMX_TILE_MAX_ROWS,
+    WEIGHT_ONLY_KERNEL_MAX_ROWS,
+    KernelPlan,
+)
 from gemel.models.weights import Int4Groups, Int8Groups, WeightSource
 
-
-# Where a CPU has AMX, int8_act_gemm serves calls up to this many rows and the bf16 GEMM larger
-# ones: on a 2-core Xeon with AMX the 4-bit codes win decode steps (the weights stream from
-# memory) and lose prefill chunks by 1.6-2.6x at 1,024 rows (docs/performance.md, ninth pass).
-AMX_INT8_ACT_MAX_ROWS = 128
-
-# Where a CPU has AMX, gemel's tile kernel serves calls up to this many rows and oneDNN's bf16
-# GEMM larger ones (which it blocks better for prefill chunks; docs/performance.md, eleventh pass).
-AMX_TILE_MAX_ROWS = 128
-
-# Where a projection also has AMX tiles, int8_group_mm (the checkpoint's Q8_0 groups, widened
-# to float for every row of x) serves calls up to this many rows and the tiles larger ones:
-# SmolLM2's LM head, 4 rows, 4.05 ms against 2.86 on the tiles; 8 rows 6.32 against 3.59
-# (docs/performance.md, fourteenth pass).
-AMX_INT8_GROUPS_MAX_ROWS = 2
 
 # amx_bf16_gemm's `gated` argument: what the tiles' output pairs hold and what a call writes.
 AMX_PLAIN, AMX_GATE_UP, AMX_SILU_MUL = 0, 1, 2
@@ -107,6 +100,8 @@ class Linear(nn.Module):
         w = self.weight
         if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
             return False
+        if not bf16_gemm_supported():  # oneDNN has no bf16 GEMM on this CPU; PyTorch's own kernels serve
+            return False
         self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         if not keep_dense:
             self.weight = None  # a tied embedding keeps its own reference
@@ -127,6 +122,8 @@ class Linear(nn.Module):
             codes, scale, low = int4.q.to(torch.uint8), int4.scale.float(), int4.zero.float() - 8.0 * int4.scale.float()
             zero_point = 8 if not bool(int4.zero.any()) else 0
         elif int8 is not None:  # w = q * scale = (q + 128) * scale - 128 * scale
+            if bool((int8.q == -128).any()):
+                return False  # the AVX2 tiles take 8-bit codes as u - 128 in a signed byte (llama.cpp's files have none)
             codes = (int8.q.to(torch.int16) + 128).to(torch.uint8)
             scale = int8.scale.float()
             low, zero_point = None, 128
@@ -165,13 +162,23 @@ class Linear(nn.Module):
         setattr(self, name, lambda: groups)
         return groups
 
-    def quantize_(self, mode: str, packed_max_rows: int, group_size: int = 32) -> None:
+    def quantize_(
+        self,
+        mode: str,
+        packed_max_rows: int,
+        group_size: int = 32,
+        int4_integer_kernel: bool | None = None,
+        int8_groups_max_rows: int | None = None,
+    ) -> None:
         """Add a weight-only low-bit copy used for calls with at most ``packed_max_rows`` rows.
 
         ``checkpoint``: only where the checkpoint stores 4-bit or int8 groups, used as they
         are (the file's exact weights); ``int4``: the 4-bit groups, else groups re-quantised
         from the dense weight (lossy); ``int8``: per-channel int8 re-quantised from the dense
-        weight (lossy).
+        weight (lossy). ``int4_integer_kernel`` (default: whether the kernels run AVX512-VNNI) serves
+        4-bit groups with gemel's int4_group_mm instead of PyTorch's int4 kernel;
+        ``int8_groups_max_rows`` caps the rows int8_group_mm serves (default: fewer where AMX tiles
+        take the larger calls). The engine passes both from its kernel plan.
         """
         if self.weight is None:
             raise RuntimeError("quantize_ needs the dense weight: call it before prepack_")
@@ -186,8 +193,9 @@ class Linear(nn.Module):
             self._keep(w_q8=int8_groups.q.contiguous(), w_q8_scales=int8_groups.scale.contiguous())
             self.checkpoint_int4 = None
             self.quant = "int8_groups"
-            # the kernel takes up to 8 rows, and where tiles exist they win from 3 on
-            self.packed_max_rows = min(packed_max_rows, AMX_INT8_GROUPS_MAX_ROWS if self.amx_max_rows else 8)
+            if int8_groups_max_rows is None:  # where tiles exist they win from 3 rows on
+                int8_groups_max_rows = AMX_INT8_GROUPS_MAX_ROWS if self.amx_max_rows else WEIGHT_ONLY_KERNEL_MAX_ROWS
+            self.packed_max_rows = min(packed_max_rows, int8_groups_max_rows)
             return
         groups = self.checkpoint_int4() if self.checkpoint_int4 is not None and group_size == 32 else None
         self.checkpoint_int4 = None  # read once; drops the reference to the checkpoint
@@ -208,11 +216,13 @@ class Linear(nn.Module):
                 scales = ((hi - lo) / 15.0).clamp(min=1e-8)
                 q = torch.round((grouped - lo[..., None]) / scales[..., None]).clamp(0, 15)
                 groups = Int4Groups(q.view(out_features, in_features), scales, lo + scales * 8.0)
-            if group_size == 32 and cpu_kernels.has_vnni() and cpu_kernels.load():
+            if int4_integer_kernel is None:
+                int4_integer_kernel = cpu_kernels.has_vnni()
+            if group_size == 32 and int4_integer_kernel and cpu_kernels.load():
                 self._keep(w_q4=pack_int4_rows(groups))
                 self.w_q4_rows = out_features
                 self.quant = "int4_groups"
-                self.packed_max_rows = min(packed_max_rows, 8)  # the kernel takes up to 8 rows
+                self.packed_max_rows = min(packed_max_rows, WEIGHT_ONLY_KERNEL_MAX_ROWS)
                 return
             self._keep(
                 w_int4=torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1),
@@ -259,10 +269,12 @@ class Linear(nn.Module):
                 y = torch.ops.gemel.int4_group_mm(x, self.w_q4, self.w_q4_rows)
             elif self.quant == "int8_groups":
                 y = torch.ops.gemel.int8_group_mm(x, self.w_q8, self.w_q8_scales)
-            elif self.quant == "int8":
-                y = torch.ops.aten._weight_int8pack_mm(x, self.w_int8, self.w_scales)
+            elif self.quant == "int8":  # PyTorch's packed kernels take x in their scales' dtype
+                y = torch.ops.aten._weight_int8pack_mm(x.to(self.w_scales.dtype), self.w_int8, self.w_scales).to(x.dtype)
             else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_int4, self.group_size, self.w_scales_zeros)
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x.to(self.w_scales_zeros.dtype), self.w_int4, self.group_size, self.w_scales_zeros
+                ).to(x.dtype)
             return y if self.bias is None else y + self.bias
         # A torch.compile'd graph keeps the dense weight and inductor's own packed GEMM, which it
         # fuses with the ops around it (as it does for the oneDNN copy below).
@@ -356,6 +368,8 @@ def quantize_model_(
     int8_activations: bool = False,
     int8_act_max_rows: int | None = None,
     amx_max_rows: int = 0,
+    int4_integer_kernel: bool | None = None,
+    int8_groups_max_rows: int | None = None,
 ) -> int:
     """Give every projection of ``model`` a low-bit copy (``mode`` as in ``Linear.quantize_``;
     ``none`` only lets go of the checkpoint), with ``amx_max_rows`` its AMX tile copy for calls
@@ -370,11 +384,30 @@ def quantize_model_(
             if mode == "none":
                 module.checkpoint_int4 = module.checkpoint_int8 = None
             else:
-                module.quantize_(mode, packed_max_rows)
+                module.quantize_(mode, packed_max_rows, int4_integer_kernel=int4_integer_kernel,
+                                 int8_groups_max_rows=int8_groups_max_rows)
                 count += module.quant is not None
             if packed_groups and int8_act_max_rows is None:
                 module.weight = None  # every call now takes a packed kernel (a tied embedding keeps its own)
     return count
+
+
+def apply_plan_(model: nn.Module, plan: KernelPlan, keep_dense: bool = False) -> None:
+    """Give every projection of ``model`` the copies the kernel plan calls for. ``keep_dense``:
+    keep the dense weights a torch.compile'd graph needs."""
+    mode = plan.weight_quant if plan.packed_max_rows else "none"
+    quantize_model_(
+        model,
+        mode,
+        plan.packed_max_rows,
+        int8_activations=plan.int8_activations,
+        int8_act_max_rows=plan.int8_act_max_rows,
+        amx_max_rows=plan.amx_max_rows,
+        int4_integer_kernel=plan.int4_integer_kernel,
+        int8_groups_max_rows=plan.int8_groups_max_rows,
+    )
+    if plan.prepack_bf16:
+        prepack_model_(model, keep_dense=keep_dense)
 
 
 def prepack_model_(model: nn.Module, keep_dense: bool = False) -> int:

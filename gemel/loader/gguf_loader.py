@@ -256,16 +256,16 @@ def tensor_factories(reader, cfg: ModelArchConfig) -> dict:
 
 
 def _stored_group_factories(reader, cfg: ModelArchConfig, block_bytes: dict, decode) -> dict:
-    """HF name -> function reading a tensor's blocks of 32 weights (GGML types in
-    ``block_bytes``, with their sizes) and turning them into groups with ``decode(type,
-    blocks)``, blocks shaped [out, in / 32, bytes]; q/k rows are un-permuted as for the
-    dense weights."""
+    """HF name -> function reading a tensor's blocks (GGML types in ``block_bytes``, with the
+    weights and bytes of one block) and turning them into groups with ``decode(type, blocks)``,
+    blocks shaped [out, in / weights, bytes]; q/k rows are un-permuted as for the dense weights."""
     import torch
 
     def make(t):
         def load():
             out_features, in_features = (int(x) for x in reversed(t.shape.tolist()))
-            blocks = np.asarray(t.data).reshape(out_features, in_features // 32, block_bytes[t.tensor_type])
+            weights, size = block_bytes[t.tensor_type]
+            blocks = np.asarray(t.data).reshape(out_features, in_features // weights, size)
             groups = decode(t.tensor_type, blocks)
             heads = _rope_permuted_heads(cfg, t.name)
             if heads is not None:
@@ -277,7 +277,7 @@ def _stored_group_factories(reader, cfg: ModelArchConfig, block_bytes: dict, dec
     return {
         hf_name(t.name, cfg.architecture): make(t)
         for t in reader.tensors
-        if t.tensor_type in block_bytes and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
+        if t.tensor_type in block_bytes and len(t.shape) == 2 and int(t.shape[0]) % block_bytes[t.tensor_type][0] == 0
     }
 
 
@@ -288,7 +288,8 @@ def _block_scales(blocks: np.ndarray, offset: int) -> np.ndarray:
 
 def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
     """HF name -> function producing the tensor's own 4-bit groups, for Q4_0 and Q4_1
-    tensors (blocks of 32 along the input dimension with one scale, and a minimum for Q4_1).
+    tensors (blocks of 32 along the input dimension with one scale, and a minimum for Q4_1)
+    and Q4_K (super-blocks of 256 with a scale and a minimum for each 32).
 
     A packed int4 kernel fed these computes with exactly the file's weights, which is what
     llama.cpp does with them, instead of re-quantising a dequantised copy.
@@ -299,6 +300,8 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
     from gemel.models.weights import Int4Groups
 
     def decode(kind, blocks: np.ndarray) -> Int4Groups:
+        if kind == GGMLQuantizationType.Q4_K:
+            return _q4_k_groups(blocks)
         scale = _block_scales(blocks, 0)
         if kind == GGMLQuantizationType.Q4_1:  # w = d * q + m  ==  (q - 8) * d + (m + 8 d)
             zero = _block_scales(blocks, 2) + 8.0 * scale
@@ -308,21 +311,55 @@ def int4_group_factories(reader, cfg: ModelArchConfig) -> dict:
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(blocks.shape[0], -1)
         return Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
 
-    return _stored_group_factories(
-        reader, cfg, {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}, decode
-    )
+    kinds = {GGMLQuantizationType.Q4_0: (32, 18), GGMLQuantizationType.Q4_1: (32, 20), GGMLQuantizationType.Q4_K: (256, 144)}
+    return _stored_group_factories(reader, cfg, kinds, decode)
+
+
+def _q4_k_groups(blocks: np.ndarray) -> "Int4Groups":
+    """Q4_K super-blocks of 256 weights ([out, in / 256, 144] bytes: float16 d and dmin, twelve
+    bytes of eight 6-bit scales and mins, 128 bytes of 4-bit codes) as groups of 32:
+    w = d sc q - dmin m = (q - 8) (d sc) + (8 d sc - dmin m). d sc is exact in float32 (an
+    11-bit mantissa times a 6-bit integer), so the groups carry the file's exact weights."""
+    import torch
+
+    from gemel.models.weights import Int4Groups
+
+    rows, supers, _ = blocks.shape
+    d, dmin = _block_scales(blocks, 0), _block_scales(blocks, 2)
+    packed = blocks[..., 4:16].astype(np.uint8)
+    sc, m = np.empty((rows, supers, 8), np.float32), np.empty((rows, supers, 8), np.float32)
+    # llama.cpp's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 (scale) and 4-7
+    # (min); groups 4-7 from bytes 8-11's nibbles plus the top 2 bits of bytes 0-3 and 4-7.
+    sc[..., :4], m[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
+    sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    qs = blocks[..., 16:144].reshape(rows, supers, 4, 32)  # 32 bytes per pair of groups
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, supers * 256)  # low nibbles first
+    scale = (d[..., None] * sc).reshape(rows, supers * 8)
+    low = (dmin[..., None] * m).reshape(rows, supers * 8)
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(8.0 * scale - low))
 
 
 def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
     """HF name -> function producing the tensor's own int8 groups, for Q8_0 tensors (blocks
-    of 32 along the input dimension: one float16 scale d, 32 int8 q, w = d q)."""
+    of 32 along the input dimension: one float16 scale d, 32 int8 q, w = d q) and Q5_0 ones
+    (5-bit codes u, w = d (u - 16), held as q = u - 16)."""
     import torch
     from gguf import GGMLQuantizationType
 
     from gemel.models.weights import Int8Groups
 
     def decode(kind, blocks: np.ndarray) -> Int8Groups:
-        q = blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1)
+        if kind == GGMLQuantizationType.Q5_0:
+            # float16 d, 32 high bits, 16 bytes of low nibbles (j low, j + 16 high); w = d (q - 16)
+            high = blocks[..., 2:6].copy().view(np.uint32)  # [out, groups, 1], bit j is weight j's
+            bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+            low = blocks[..., 6:22]
+            q = np.concatenate([low & 0x0F, low >> 4], axis=-1) | bits
+            q = (q.astype(np.int16) - 16).astype(np.int8).reshape(blocks.shape[0], -1)
+        else:
+            q = blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1)
         return Int8Groups(torch.from_numpy(q), torch.from_numpy(_block_scales(blocks, 0)))
 
-    return _stored_group_factories(reader, cfg, {GGMLQuantizationType.Q8_0: 34}, decode)
+    kinds = {GGMLQuantizationType.Q8_0: (32, 34), GGMLQuantizationType.Q5_0: (32, 22)}
+    return _stored_group_factories(reader, cfg, kinds, decode)

@@ -8,6 +8,7 @@ import torch
 
 from gemel import LLM, SamplingParams
 from gemel.layers import cpu_kernels
+from gemel.layers.kernel_plan import bf16_gemm_supported
 from gemel.layers.linear import Linear
 
 
@@ -53,7 +54,10 @@ def test_int8_engine_mostly_agrees_with_dense(tiny_llama_dir):
     assert quant.engine.core.loaded.model.layers[0].qkv_proj.quant == "int8"
 
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or not bf16_gemm_supported(),
+    reason="no oneDNN bf16 GEMM here (this torch build, or a CPU without AVX512-BW/VL/DQ)",
+)
 
 
 @needs_onednn
@@ -76,6 +80,7 @@ def test_prepack_leaves_float32_alone():
     assert lin.weight is not None
 
 
+@needs_onednn
 @needs_onednn
 def test_bf16_engine_prepacked_matches_unpacked(tiny_llama_dir):
     """The engine prepacks its bf16 projections; logits equal a copy run without it."""

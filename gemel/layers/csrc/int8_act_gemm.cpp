@@ -36,6 +36,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define GEMEL_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GEMEL_AVX2 1
 #endif
 
 namespace {
@@ -94,6 +97,31 @@ void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* uni
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cg), _mm512_cvtepi32_epi8(code_lo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cg + 16), _mm512_cvtepi32_epi8(code_hi));
     total = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
+#elif defined(GEMEL_AVX2)
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    const __m256 sign_bit = _mm256_set1_ps(-0.f);
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(xg + 8 * k);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, v[k]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    amax = _mm_cvtss_f32(m4);
+    const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k) c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));  // nearest even
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    total = _mm_cvtsi128_si32(s4);
+    // int32 -> int8 with the order kept: packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i words = _mm256_packs_epi32(c[0], c[1]), words2 = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cg), bytes);
 #else
     for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
@@ -219,6 +247,132 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
 }
 #endif
 
+#if defined(GEMEL_AVX2)
+// AVX2 without VNNI (x86-64-v3: AMD Zen 1-3, Intel Haswell to Comet Lake): the same layout and
+// arithmetic with 256-bit vectors, one half of a 16-row block (8 outputs) a tile. vpmaddubsw
+// multiplies unsigned weight bytes by signed x codes and adds pairs into int16 (saturating),
+// vpmaddwd adds those pairs into the int32 lanes.
+//  - 4-bit codes: a pair of products is at most 2 * 15 * 127, so the eight vpmaddubsw of a
+//    group add up in int16 without saturating and one vpmaddwd a group widens them.
+//  - 8-bit codes: a pair of products could reach 2 * 255 * 127 and saturate, so each code
+//    is taken as s = u - 128 and multiplied as |x| by s with x's sign (at most 2 * 127 * 128,
+//    which fits), llama.cpp's trick. It needs s != -128 (no code 0), which the packing
+//    guarantees; the dot product is then sum (u - 128) x, and the callers' zero point and
+//    offset are shifted by 128 to match.
+
+// 8 scales or offsets, stored as float32 or float16.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline int32_t four_codes(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return four;
+}
+
+// kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
+template <int kRows, bool kNibbles, bool kIntZero, typename S, typename T>
+void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
+               const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
+               int64_t block, int half) {
+  const int64_t groups = in_features / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* xg = codes + g * kGroup;
+    __m256i dot[kRows];
+    if constexpr (kNibbles) {
+      const uint8_t* wg = w + (block * groups + g) * kNibbleBlockBytes + half * 32;
+      const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+      __m256i sum16[kRows];
+      for (int r = 0; r < kRows; ++r) sum16[r] = _mm256_setzero_si256();
+      for (int j = 0; j < kGroup / 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
+        const __m256i lo = _mm256_and_si256(v, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* xr = xg + r * in_features;
+          const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_codes(xr + j * 4)));
+          const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_codes(xr + (j + 4) * 4)));
+          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(a, b));
+        }
+      }
+      for (int r = 0; r < kRows; ++r) dot[r] = _mm256_madd_epi16(sum16[r], ones);
+    } else {
+      const uint8_t* wg = w + (block * groups + g) * kBlockBytes + half * 32;
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
+      for (int j = 0; j < kGroup / 4; ++j) {
+        const __m256i s = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64)), flip);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i xv = _mm256_set1_epi32(four_codes(xg + r * in_features + j * 4));
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(s, xv));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    const int64_t at = (block * groups + g) * kBlockRows + half * 8;
+    const __m256 dv = load8(d + at);
+    if constexpr (kIntZero) {
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(unit[r * groups + g]));
+        const __m256i centred = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(zero_sum[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, acc[r]);
+      }
+    } else {
+      __m256 lv = load8(low + at);
+      if constexpr (!kNibbles) lv = _mm256_fmadd_ps(dv, _mm256_set1_ps(128.f), lv);  // dot is sum (u - 128) x
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(unit[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(lv, _mm256_set1_ps(code_sum[r * groups + g]), acc[r]);
+      }
+    }
+  }
+  const int64_t n = block * kBlockRows + half * 8;
+  const int64_t count = std::min<int64_t>(8, out_features - n);
+  for (int r = 0; r < kRows; ++r) {
+    if (std::is_same_v<T, float> && count == 8) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(y + r * out_features + n), acc[r]);
+    } else {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[r]);
+      store_row(y + r * out_features + n, out, count);
+    }
+  }
+}
+
+// All rows of x against output blocks [b0, b1): each half block's weights (a few KB) stay in
+// L1 while every tile of 4 rows of x passes over them.
+template <bool kNibbles, bool kIntZero, typename S, typename T>
+void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
+                      const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
+                      int64_t out_features, int64_t b0, int64_t b1) {
+  const int64_t groups = in_features / kGroup;
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int half = 0; half < 2 && b * kBlockRows + half * 8 < out_features; ++half) {
+      for (int64_t m = 0; m < rows; m += kTileRows) {
+        const int8_t* c = codes + m * in_features;
+        const float *u = unit + m * groups, *s = code_sum + m * groups;
+        const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
+        T* out = y + m * out_features;
+#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half)
+        switch (std::min<int64_t>(kTileRows, rows - m)) {
+          case 1: GEMEL_TILE_HALF(1); break;
+          case 2: GEMEL_TILE_HALF(2); break;
+          case 3: GEMEL_TILE_HALF(3); break;
+          default: GEMEL_TILE_HALF(kTileRows); break;
+        }
+#undef GEMEL_TILE_HALF
+      }
+    }
+  }
+}
+#endif
+
 // x in float32 or bf16, what the engine runs (fewer instantiations than every floating type).
 #define GEMEL_FLOAT_AND_BF16_CASES(...) \
   AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__)
@@ -237,6 +391,9 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
   for (; b < b1; ++b)
     tile_rows<1, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
                                         b);
+#elif defined(GEMEL_AVX2)
+  gemm_blocks_avx2<kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
+                                             out_features, b0, b1);
 #else
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t i = 0; i < kBlockRows && b * kBlockRows + i < out_features; ++i) {
@@ -272,7 +429,8 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
 // [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
-// scales as float16). zero_point z > 0: w = d * (u - z) and low is empty.
+// scales as float16). zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
+// be 0 (the AVX2 tiles compute with u - 128 as a signed byte; pack_group_codes ensures it).
 // Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
 // the input is silu(gate) * up.
 at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
@@ -303,6 +461,11 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   auto code_sum = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
   auto zero_sum = at::empty({int_zero ? rows : 0, groups}, xc.options().dtype(at::kInt));
   auto y = at::empty({rows, out_features}, xc.options());
+#if defined(GEMEL_AVX2)
+  const int32_t dot_offset = nibbles ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
+#else
+  const int32_t dot_offset = 0;
+#endif
   AT_DISPATCH_SWITCH(xc.scalar_type(), "int8_act_gemm", GEMEL_FLOAT_AND_BF16_CASES([&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     int8_t* qp = qx.data_ptr<int8_t>();
@@ -314,7 +477,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         const scalar_t* row = xp + m * xc.size(1);
         input_row(row, gated ? row + in_features : nullptr, in_features, inputs.data());
         quantize_row(inputs.data(), in_features, qp + m * in_features, up + m * groups, sp + m * groups,
-                     static_cast<int32_t>(zero_point), int_zero ? zp + m * groups : nullptr);
+                     static_cast<int32_t>(zero_point) - dot_offset, int_zero ? zp + m * groups : nullptr);
       }
     });
     const uint8_t* wp = codes.data_ptr<uint8_t>();

@@ -914,10 +914,11 @@ void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, con
   constexpr bool amx_types =
       std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>);
   const bool on_amx = amx_types && gemel::amx_usable();
+  const int64_t task_rows = on_amx ? kAmxTileRows : kTileQueryRows;
 #else
-  const bool on_amx = false;
+  const int64_t task_rows = kTileQueryRows;  // AVX-512 without AMX (e.g. AMD Zen 4/5)
 #endif
-  const int64_t group = num_heads / num_kv, tokens_per_tile = (on_amx ? kAmxTileRows : kTileQueryRows) / group;
+  const int64_t group = num_heads / num_kv, tokens_per_tile = task_rows / group;
   const int64_t row_width = std::is_same_v<C, int8_t> ? head_dim + 4 : head_dim;
   std::vector<int64_t> tile_start;
   for (int64_t b = 0; b < batch; ++b)

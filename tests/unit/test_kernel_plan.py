@@ -1,0 +1,159 @@
+"""The kernel plan: instruction-set levels from CPU flags, the level a process may be forced
+to, the compiler flags per level, and which kernel serves each call size for each CPU class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemel.layers import cpu_kernels, kernel_plan
+from gemel.layers.kernel_plan import CpuInfo, plan_engine, resolve_isa
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+AMX = AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_of_this_cpu():
+    """The process keeps the first level it loads: load the CPU's own before a plan asks for a
+    lower one, so the tests after these still run this CPU's kernels."""
+    cpu_kernels.load()
+
+
+def cpu(flags: frozenset[str], machine: str = "x86_64") -> CpuInfo:
+    return CpuInfo(model="test CPU", machine=machine, flags=frozenset(flags))
+
+
+@pytest.mark.parametrize(
+    "flags, machine, level",
+    [
+        (AMX, "x86_64", "amx"),
+        (AVX512, "x86_64", "avx512"),
+        (AVX512 - {"avx512_vnni", "avx512_bf16"}, "x86_64", "avx512"),  # Skylake-X
+        (AVX2, "x86_64", "avx2"),  # AMD Zen 3
+        (AVX2 - {"fma"}, "x86_64", "portable"),
+        (frozenset({"sse2"}), "x86_64", "portable"),
+        (frozenset({"fp", "asimd", "asimddp"}), "aarch64", "portable"),
+        (AMX, "aarch64", "portable"),  # flags of another architecture never count
+    ],
+)
+def test_best_level_from_the_flags(flags, machine, level):
+    assert cpu(flags, machine).best_isa == level
+
+
+def test_a_ceiling_lowers_the_level_and_more_than_the_cpu_has_is_refused(monkeypatch):
+    monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
+    amx = cpu(AMX)
+    assert resolve_isa("auto", amx) == "amx"
+    assert resolve_isa("avx2", amx) == "avx2"
+    assert resolve_isa("portable", amx) == "portable"
+    monkeypatch.setenv("GEMEL_CPU_ISA", "avx512")  # a process-wide cap, under the engine's own
+    assert resolve_isa("auto", amx) == "avx512"
+    assert resolve_isa("avx2", amx) == "avx2"
+    monkeypatch.delenv("GEMEL_CPU_ISA")
+    with pytest.raises(ValueError, match="cpu_isa=avx512 needs a CPU with AVX512.*runs up to avx2"):
+        resolve_isa("avx512", cpu(AVX2))
+    with pytest.raises(ValueError, match="cpu_isa must be one of"):
+        resolve_isa("sse9", amx)
+    monkeypatch.setenv("GEMEL_CPU_ISA", "amx")
+    with pytest.raises(ValueError, match="GEMEL_CPU_ISA=amx"):
+        resolve_isa("auto", cpu(AVX2))
+
+
+def test_compile_flags_per_level():
+    amx = cpu(AMX)
+    assert kernel_plan.compile_flags("amx", amx) == ["-march=native"]  # the CPU's own level
+    assert kernel_plan.compile_flags("avx512", amx) == ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"]
+    assert kernel_plan.compile_flags("avx2", amx) == ["-march=x86-64-v3"]
+    assert kernel_plan.compile_flags("portable", amx) == ["-march=x86-64", "-mtune=generic"]
+    assert kernel_plan.compile_flags("portable", cpu(frozenset({"asimd"}), "aarch64")) == []
+    with pytest.raises(ValueError):
+        kernel_plan.compile_flags("amx", cpu(AVX2))
+
+
+def test_native_bf16_only_where_the_level_computes_it():
+    assert kernel_plan.native_bf16("amx", cpu(AMX))
+    assert kernel_plan.native_bf16("avx512", cpu(AVX512))
+    assert not kernel_plan.native_bf16("avx512", cpu(AVX512 - {"avx512_bf16"}))
+    assert not kernel_plan.native_bf16("avx2", cpu(AMX))  # forced down: the AVX2 class has no bf16
+
+
+def _plan(dtype, dtype_requested="auto", weight_quant="auto", cpu_isa="auto", **kw):
+    return plan_engine(device=torch.device("cpu"), dtype=dtype, dtype_requested=dtype_requested,
+                       weight_quant=weight_quant, cpu_isa=cpu_isa, **kw)
+
+
+def test_the_avx2_plan_runs_every_call_on_the_integer_kernel():
+    """float32 chosen automatically (a CPU without native bf16): the checkpoint's groups with x
+    as int8 at every call size, nothing else; float32 asked for by name keeps the exact dense sums."""
+    plan, _ = _plan(torch.float32, cpu_isa="avx2")
+    assert cpu_kernels.load()
+    assert plan.isa == "avx2" and plan.kernels
+    assert plan.weight_quant == "checkpoint" and plan.packed_max_rows == 0
+    assert plan.int8_activations and plan.int8_act_max_rows is None
+    assert not plan.int4_integer_kernel and plan.amx_max_rows == 0 and not plan.prepack_bf16
+    assert [(rows, kernel.split()[0]) for rows, kernel in plan.rows_table()] == [("1+", "int8_act_gemm")]
+    exact, _ = _plan(torch.float32, dtype_requested="float32", cpu_isa="avx2")
+    assert exact.weight_quant == "none" and not exact.int8_activations
+    assert [r for r, _ in exact.rows_table()] == ["1+"]
+    portable, _ = _plan(torch.float32, cpu_isa="portable")  # no fast integer path: the dense weights
+    assert portable.weight_quant == "none" and not portable.int8_activations
+
+
+def test_bf16_plans_per_level():
+    if kernel_plan.isa_rank(resolve_isa()) < kernel_plan.isa_rank("avx512"):
+        pytest.skip("needs an AVX-512 CPU (or a process not capped below it)")
+    plan, _ = _plan(torch.bfloat16, cpu_isa="avx512")
+    vnni = kernel_plan.cpu_info().has("avx512_vnni")
+    assert plan.weight_quant == "checkpoint" and plan.int4_integer_kernel == vnni
+    assert plan.packed_max_rows == (8 if vnni else 4) and plan.amx_max_rows == 0
+    assert plan.rows_table()[-1][1].startswith("dense GEMM")
+    # bf16 on the AVX2 level: PyTorch's int4 kernel for the smallest calls, and int8_activations
+    # (opt-in) on the AVX2 integer kernel
+    low, warnings = _plan(torch.bfloat16, cpu_isa="avx2", int8_activations=True)
+    assert low.packed_max_rows == 4 and not low.int4_integer_kernel and low.int8_activations
+    assert low.int8_act_max_rows is None and not warnings or "already runs" in warnings[0]
+
+
+def test_settings_the_cpu_cannot_honour_are_warned_about():
+    _, warnings = _plan(torch.bfloat16, cpu_isa="portable", int8_activations=True, amx_max_rows=16)
+    assert any("int8_activations needs" in w for w in warnings)
+    assert any("amx_max_rows needs" in w for w in warnings)
+
+
+def test_cuda_plans_no_cpu_kernels():
+    plan, _ = plan_engine(device=torch.device("cuda"), dtype=torch.bfloat16, dtype_requested="auto",
+                          weight_quant="auto")
+    assert plan.weight_quant == "none" and not plan.kernels and not plan.int8_activations
+
+
+def test_engine_logs_and_keeps_its_plan(tiny_llama_dir):
+    from gemel import LLM
+
+    llm = LLM(tiny_llama_dir, num_kv_blocks=16, cpu_isa="portable")
+    plan = llm.engine.core.plan
+    assert plan.isa == "portable" and plan.dtype == torch.float32  # no native bf16 at that level
+    with pytest.raises(ValueError, match="cpu_isa"):
+        LLM(tiny_llama_dir, num_kv_blocks=16, cpu_isa="no-such-level")
+
+
+def test_bf16_without_onednn_support_runs_on_pytorch_kernels(tiny_llama_dir, monkeypatch):
+    """A CPU whose oneDNN has no bf16 GEMM (AVX2 only): bf16 asked for by name is not prepacked
+    and computes through PyTorch's own kernels, with the same tokens as a prepacked engine."""
+    from gemel import LLM, SamplingParams
+    from gemel.layers import linear
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 33, 90], [200, 11, 4]]
+    monkeypatch.setattr(linear, "bf16_gemm_supported", lambda: False)
+    monkeypatch.setattr(kernel_plan, "bf16_gemm_supported", lambda: False)
+    plain = LLM(tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64)
+    assert not plain.engine.core.plan.prepack_bf16
+    assert all(m.onednn_weight is None for m in plain.engine.core.loaded.model.modules()
+               if isinstance(m, linear.Linear))
+    a = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    monkeypatch.undo()
+    b = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64)
+         .generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert a == b
