@@ -60,6 +60,12 @@ def has_amx() -> bool:
     return (_loaded_isa or kernel_plan.resolve_isa()) == "amx"
 
 
+def serves_sub16_scales() -> bool:
+    """Whether the loaded int8_act_gemm takes a scale per 16 codes (GGUF Q6_K): the AVX2 and
+    portable builds do; the AVX512-VNNI tiles take one scale per group of 32."""
+    return load() and "avx512vnni" not in torch.ops.gemel.kernel_isa().split()
+
+
 def amx_tiles_available() -> bool:
     """Whether ``torch.ops.gemel.amx_bf16_gemm`` runs here: a CPU with AMX-BF16, kernels built
     for it, and the tile state granted to this process by the OS."""

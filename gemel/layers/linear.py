@@ -124,6 +124,8 @@ class Linear(nn.Module):
         elif int8 is not None:  # w = q * scale = (q + 128) * scale - 128 * scale
             if bool((int8.q == -128).any()):
                 return False  # the AVX2 tiles take 8-bit codes as u - 128 in a signed byte (llama.cpp's files have none)
+            if int8.group_size not in (16, 32) or (int8.group_size == 16 and not cpu_kernels.serves_sub16_scales()):
+                return False
             codes = (int8.q.to(torch.int16) + 128).to(torch.uint8)
             scale = int8.scale.float()
             low, zero_point = None, 128
@@ -131,6 +133,8 @@ class Linear(nn.Module):
             return False
         out_features = codes.shape[0]
         packed = pack_group_codes(codes, scale, low, zero_point)
+        if scale.shape[1] * 16 == codes.shape[1]:  # a scale per 16 codes (Q6_K): [blocks, groups, 2 x 16]
+            packed = (packed[0], _sub16_by_block(scale, packed[0].shape[0]).to(packed[1].dtype), packed[2])
         self._keep(**dict(zip(("act_codes", "act_scale", "act_low"), packed)))
         self.int8_act_out_features = out_features
         self.int8_act_zero_point = zero_point
@@ -188,6 +192,8 @@ class Linear(nn.Module):
             self.checkpoint_int4 = self.checkpoint_int8 = None
             return
         int8_groups = self.checkpoint_int8() if self.checkpoint_int8 is not None and mode == "checkpoint" else None
+        if int8_groups is not None and int8_groups.group_size != 32:
+            int8_groups = None  # int8_group_mm takes groups of 32 (Q6_K's 16 stay dense here)
         self.checkpoint_int8 = None
         if int8_groups is not None and cpu_kernels.load():
             self._keep(w_q8=int8_groups.q.contiguous(), w_q8_scales=int8_groups.scale.contiguous())
@@ -352,6 +358,14 @@ def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:
     arithmetic, hence a tolerance rather than equality)."""
     fits = all(bool(torch.allclose(t.half().float(), t, rtol=2**-20, atol=0.0)) for t in tensors)
     return torch.float16 if fits else torch.float32
+
+
+def _sub16_by_block(scale: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Per-row scales of 16 codes [out, in / 16] as [blocks, in / 32, 32]: for each block and
+    group of 32, the 16 rows' scales of its first 16 codes, then of its last 16."""
+    out_features, halves = scale.shape
+    padded = F.pad(scale.float(), (0, 0, 0, blocks * 16 - out_features)).view(blocks, 16, halves // 2, 2)
+    return padded.permute(0, 2, 3, 1).reshape(blocks, halves // 2, 32).contiguous()
 
 
 def _by_block(t: torch.Tensor, blocks: int, dtype: torch.dtype) -> torch.Tensor:

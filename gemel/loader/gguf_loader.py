@@ -350,6 +350,8 @@ def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
     from gemel.models.weights import Int8Groups
 
     def decode(kind, blocks: np.ndarray) -> Int8Groups:
+        if kind == GGMLQuantizationType.Q6_K:
+            return _q6_k_groups(blocks)
         if kind == GGMLQuantizationType.Q5_0:
             # float16 d, 32 high bits, 16 bytes of low nibbles (j low, j + 16 high); w = d (q - 16)
             high = blocks[..., 2:6].copy().view(np.uint32)  # [out, groups, 1], bit j is weight j's
@@ -361,5 +363,27 @@ def int8_group_factories(reader, cfg: ModelArchConfig) -> dict:
             q = blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1)
         return Int8Groups(torch.from_numpy(q), torch.from_numpy(_block_scales(blocks, 0)))
 
-    kinds = {GGMLQuantizationType.Q8_0: (32, 34), GGMLQuantizationType.Q5_0: (32, 22)}
+    kinds = {GGMLQuantizationType.Q8_0: (32, 34), GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q6_K: (256, 210)}
     return _stored_group_factories(reader, cfg, kinds, decode)
+
+
+def _q6_k_groups(blocks: np.ndarray) -> "Int8Groups":
+    """Q6_K super-blocks of 256 weights ([out, in / 256, 210] bytes: 128 bytes of low 4 bits, 64
+    of high 2 bits, 16 int8 scales, float16 d) as int8 groups of 16: w = (d sc) (q - 32), q in
+    0..63, held as q - 32. d sc is exact in float32 (an 11-bit mantissa times an 8-bit integer)."""
+    import torch
+
+    from gemel.models.weights import Int8Groups
+
+    rows, supers, _ = blocks.shape
+    ql = blocks[..., 0:128].reshape(rows, supers, 2, 64)  # per half of 128 weights
+    qh = blocks[..., 128:192].reshape(rows, supers, 2, 32)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    # llama.cpp's dequantize_row_q6_K: in each half, weights l, l + 32, l + 64, l + 96 (l < 32) take
+    # ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32] high nibbles, with qh[l]'s bit pairs 0-3 on top.
+    low = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+    high = np.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=3)
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, supers * 256)
+    scale = (d[..., None] * sc).reshape(rows, supers * 16)
+    return Int8Groups(torch.from_numpy(q), torch.from_numpy(scale))

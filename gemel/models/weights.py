@@ -34,23 +34,34 @@ class Int4Groups:
 
 @dataclass
 class Int8Groups:
-    """A weight stored as int8 groups of 32 along the input dimension (GGUF Q8_0):
-    ``w = q * scale`` per group."""
+    """A weight stored as int8 groups along the input dimension, ``w = q * scale`` per group:
+    groups of 32 (GGUF Q8_0, and Q5_0 as q - 16) or of 16 (GGUF Q6_K, as q - 32)."""
 
     q: torch.Tensor  # [out, in] int8
-    scale: torch.Tensor  # [out, in / 32] float32
+    scale: torch.Tensor  # [out, in / group_size] float32
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int8Groups":
         return Int8Groups(fn(self.q), fn(self.scale))
 
     def dequantize(self) -> torch.Tensor:
         out_features, in_features = self.q.shape
-        return (self.q.float().view(out_features, in_features // 32, 32) * self.scale[..., None]).view(
+        group = self.group_size
+        return (self.q.float().view(out_features, in_features // group, group) * self.scale[..., None]).view(
             out_features, in_features
         )
 
+    def with_group_size(self, group: int) -> "Int8Groups":
+        """The same weights with each scale repeated over groups of ``group`` (a divisor of this one's)."""
+        return Int8Groups(self.q, self.scale.repeat_interleave(self.group_size // group, dim=1))
+
     @staticmethod
     def cat(parts: list["Int8Groups"]) -> "Int8Groups":
+        finest = min(p.group_size for p in parts)  # a fused projection takes its finest parts' groups
+        parts = [p.with_group_size(finest) if p.group_size != finest else p for p in parts]
         return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
 
 

@@ -273,7 +273,7 @@ inline int32_t four_codes(const int8_t* p) {
 }
 
 // kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
-template <int kRows, bool kNibbles, bool kIntZero, typename S, typename T>
+template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
                int64_t block, int half) {
@@ -283,7 +283,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* xg = codes + g * kGroup;
-    __m256i dot[kRows];
+    __m256i dot[kRows], dot2[kSub16 ? kRows : 1];  // kSub16: dot of codes 0-15, dot2 of 16-31
     if constexpr (kNibbles) {
       const uint8_t* wg = w + (block * groups + g) * kNibbleBlockBytes + half * 32;
       const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
@@ -306,6 +306,12 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
       const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
       for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
       for (int j = 0; j < kGroup / 4; ++j) {
+        if (kSub16 && j == kGroup / 8) {  // the second sub-block of 16 codes: its own sums
+          for (int r = 0; r < kRows; ++r) {
+            dot2[r] = dot[r];
+            dot[r] = _mm256_setzero_si256();
+          }
+        }
         const __m256i s = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64)), flip);
         for (int r = 0; r < kRows; ++r) {
           const __m256i xv = _mm256_set1_epi32(four_codes(xg + r * in_features + j * 4));
@@ -313,6 +319,16 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
         }
       }
+    }
+    if constexpr (kSub16) {  // zero point 128 (checked by the caller): the dots are already centred
+      const S* dg = d + (block * groups + g) * 2 * kBlockRows + half * 8;
+      const __m256 d0 = load8(dg), d1 = load8(dg + kBlockRows);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 u = _mm256_set1_ps(unit[r * groups + g]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2[r]), _mm256_mul_ps(d0, u), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d1, u), acc[r]);
+      }
+      continue;
     }
     const int64_t at = (block * groups + g) * kBlockRows + half * 8;
     const __m256 dv = load8(d + at);
@@ -347,7 +363,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
 
 // All rows of x against output blocks [b0, b1): each half block's weights (a few KB) stay in
 // L1 while every tile of 4 rows of x passes over them.
-template <bool kNibbles, bool kIntZero, typename S, typename T>
+template <bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                       const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                       int64_t out_features, int64_t b0, int64_t b1) {
@@ -359,7 +375,7 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
         const float *u = unit + m * groups, *s = code_sum + m * groups;
         const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
         T* out = y + m * out_features;
-#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half)
+#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, kSub16, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half)
         switch (std::min<int64_t>(kTileRows, rows - m)) {
           case 1: GEMEL_TILE_HALF(1); break;
           case 2: GEMEL_TILE_HALF(2); break;
@@ -377,13 +393,15 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
 #define GEMEL_FLOAT_AND_BF16_CASES(...) \
   AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__)
 
-// Blocks [b0, b1) of the output for all rows.
-template <bool kNibbles, bool kIntZero, typename S, typename T>
+// Blocks [b0, b1) of the output for all rows. kSub16: each group of 32 has two scales, one per
+// 16 codes (GGUF Q6_K), d is [blocks, groups, 2, 16], and the integer zero point is 128.
+template <bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                  const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                  int64_t out_features, int64_t b0, int64_t b1) {
   const int64_t groups = in_features / kGroup;
 #if defined(GEMEL_VNNI)
+  static_assert(!kSub16, "the VNNI tiles take one scale per group");
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
     tile_rows<kTileBlocks, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
@@ -392,15 +410,15 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
     tile_rows<1, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
                                         b);
 #elif defined(GEMEL_AVX2)
-  gemm_blocks_avx2<kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
-                                             out_features, b0, b1);
+  gemm_blocks_avx2<kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
+                                                     in_features, out_features, b0, b1);
 #else
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t i = 0; i < kBlockRows && b * kBlockRows + i < out_features; ++i) {
       for (int64_t m = 0; m < rows; ++m) {
         float total = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
+          int32_t dot = 0, centred[2] = {0, 0};  // centred: sum (u - 128) x per 16 codes (kSub16)
           for (int64_t k = 0; k < kGroup; ++k) {
             const int64_t vector = k / 4, lane_byte = 4 * i + k % 4;
             int32_t u;
@@ -411,6 +429,13 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
               u = w[(b * groups + g) * kBlockBytes + vector * 64 + lane_byte];
             }
             dot += u * codes[m * in_features + g * kGroup + k];
+            centred[k / 16] += (u - 128) * codes[m * in_features + g * kGroup + k];
+          }
+          if constexpr (kSub16) {
+            const int64_t at = (b * groups + g) * 2 * kBlockRows + i;
+            for (int h = 0; h < 2; ++h)
+              total += static_cast<float>(centred[h]) * static_cast<float>(d[at + h * kBlockRows]) * unit[m * groups + g];
+            continue;
           }
           const int64_t at = (b * groups + g) * kBlockRows + i;
           if constexpr (kIntZero) {
@@ -428,7 +453,8 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 }
 
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
-// [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
+// [ceil(N/16), K/32, 16] float32 or both float16 (d may be [.., 32]: a scale per 16 codes, 8-bit
+// codes with zero_point 128, GGUF Q6_K; AVX2 and portable builds) (half the bytes to stream; GGUF stores its
 // scales as float16). zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
 // be 0 (the AVX2 tiles compute with u - 128 as a signed byte; pack_group_codes ensures it).
 // Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
@@ -446,11 +472,17 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   const bool int_zero = zero_point != 0;
   TORCH_CHECK(zero_point >= 0 && zero_point <= 255, "zero_point must be in 0..255");
   TORCH_CHECK(!int_zero || low.numel() == 0, "with an integer zero point, low must be empty");
+  const bool sub16 = d.dim() == 3 && d.size(2) == 2 * kBlockRows;
+  TORCH_CHECK(!sub16 || (zero_point == 128 && !nibbles), "scales per 16 codes need 8-bit codes and zero_point 128");
+#if defined(GEMEL_VNNI)
+  TORCH_CHECK(!sub16, "scales per 16 codes are served by the AVX2 and portable builds only");
+#endif
   const auto check_per_block = [&](const at::Tensor& t) {
     TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.scalar_type() == d.scalar_type() &&
-                    t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups && t.size(2) == kBlockRows &&
-                    t.is_contiguous(),
-                "scales and offsets: float32 or float16 (both alike) [blocks, groups, 16], contiguous");
+                    t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups &&
+                    t.size(2) == (sub16 ? 2 : 1) * kBlockRows && t.is_contiguous(),
+                "scales and offsets: float32 or float16 (both alike) [blocks, groups, 16] (or 32: a scale per 16 "
+                "codes), contiguous");
   };
   check_per_block(d);
   if (!int_zero) check_per_block(low);
@@ -491,8 +523,16 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         using S = decltype(scale_tag);
         const S* dp = d.data_ptr<S>();
         const S* lp = int_zero ? nullptr : low.data_ptr<S>();
-        gemm_blocks<decltype(nibbles_tag)::value, decltype(int_zero_tag)::value, S>(
-            qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+        constexpr bool kNib = decltype(nibbles_tag)::value, kZero = decltype(int_zero_tag)::value;
+#if !defined(GEMEL_VNNI)
+        if constexpr (!kNib && kZero) {
+          if (sub16) {
+            gemm_blocks<false, true, true, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+            return;
+          }
+        }
+#endif
+        gemm_blocks<kNib, kZero, false, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
       };
       const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
         half_scales ? run(nibbles_tag, int_zero_tag, at::Half{}) : run(nibbles_tag, int_zero_tag, float{});
