@@ -25,7 +25,7 @@
 #include "parallel.h"
 #include "silu.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -60,6 +60,25 @@ template <typename T>
 constexpr bool kHasLoad16 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GEMEL_ATTENTION_AVX2 1
+// 8 consecutive cache elements as float32 lanes (AVX2 CPUs).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <typename T>
+constexpr bool kHasLoad8 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // scores[g * n + t] = query_g . key_t for the task's n keys (query already scaled).
 template <typename T>
 inline void score_keys(const float* query, const T* k_cache, const int64_t* slots, int64_t n,
@@ -75,6 +94,37 @@ inline void score_keys(const float* query, const T* k_cache, const int64_t* slot
           __m512 acc = _mm512_setzero_ps();
           for (int64_t d = 0; d < head_dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(key + d), acc);
           scores[g * n + t] = _mm512_reduce_add_ps(acc);
+        }
+      }
+      return;
+    }
+  }
+#elif defined(GEMEL_ATTENTION_AVX2)
+  if constexpr (kHasLoad8<T>) {
+    if (head_dim % 8 == 0) {  // keys read in place, two of them against each query head at a time
+      int64_t t = 0;
+      for (; t + 1 < n; t += 2) {
+        const T* k0 = k_cache + slots[t] * head_dim;
+        const T* k1 = k_cache + slots[t + 1] * head_dim;
+        if (t + 3 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t + 3] * head_dim), _MM_HINT_T0);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query + g * head_dim;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qg + d);
+            a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(k1 + d), a1);
+          }
+          scores[g * n + t] = sum8(a0);
+          scores[g * n + t + 1] = sum8(a1);
+        }
+      }
+      for (; t < n; ++t) {
+        const T* key = k_cache + slots[t] * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(query + g * head_dim + d), load8(key + d), acc);
+          scores[g * n + t] = sum8(acc);
         }
       }
       return;
@@ -109,6 +159,32 @@ inline void weigh_values(const float* probs, const T* v_cache, const int64_t* sl
             float* a = acc + g * head_dim + d;
             _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[g * n + t]), v, _mm512_loadu_ps(a)));
           }
+        }
+      }
+      return;
+    }
+  }
+#elif defined(GEMEL_ATTENTION_AVX2)
+  if constexpr (kHasLoad8<T>) {
+    if (head_dim % 8 == 0 && head_dim <= 256) {  // each query head's sums in registers, 8 lanes at a time
+      for (int64_t g = 0; g < group; ++g) {
+        float* a = acc + g * head_dim;
+        const float* p = probs + g * n;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+          const int64_t width = std::min<int64_t>(32, head_dim - d0);
+          __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+          for (int64_t t = 0; t < n; ++t) {
+            const T* value = v_cache + slots[t] * head_dim + d0;
+            const __m256 w = _mm256_set1_ps(p[t]);
+            s0 = _mm256_fmadd_ps(w, load8(value), s0);
+            if (width > 8) s1 = _mm256_fmadd_ps(w, load8(value + 8), s1);
+            if (width > 16) s2 = _mm256_fmadd_ps(w, load8(value + 16), s2);
+            if (width > 24) s3 = _mm256_fmadd_ps(w, load8(value + 24), s3);
+          }
+          _mm256_storeu_ps(a + d0, _mm256_add_ps(_mm256_loadu_ps(a + d0), s0));
+          if (width > 8) _mm256_storeu_ps(a + d0 + 8, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 8), s1));
+          if (width > 16) _mm256_storeu_ps(a + d0 + 16, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 16), s2));
+          if (width > 24) _mm256_storeu_ps(a + d0 + 24, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 24), s3));
         }
       }
       return;
