@@ -159,3 +159,34 @@ def test_bf16_without_onednn_support_runs_on_pytorch_kernels(tiny_llama_dir, mon
     b = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, dtype="bfloat16", num_kv_blocks=64)
          .generate(prompt_token_ids=prompts, sampling_params=params)]
     assert a == b
+
+
+def test_gemel_info_prints_the_cpu_the_level_and_the_plan(capsys, monkeypatch):
+    import json
+
+    from gemel.cli import main
+
+    monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    cpu = kernel_plan.cpu_info()
+    assert info["cpu"]["model"] == cpu.model and info["cpu"]["best_isa"] == cpu.best_isa
+    assert set(info["cpu"]["flags"]) <= cpu.flags
+    assert info["isa"] == resolve_isa() and info["threads"] >= 1
+    assert info["plan"] and info["plan"][-1]["rows"].endswith("+")
+    assert set(info["kernel_cache"]) == set(kernel_plan.ISA_LEVELS[: kernel_plan.isa_rank(cpu.best_isa) + 1])
+    assert info["kernel_cache"][info["kernels_loaded"]] is not None  # the loaded build is cached
+    if kernel_plan.isa_rank(resolve_isa()) >= kernel_plan.isa_rank("avx2"):
+        assert main(["info", "--cpu-isa", "avx2"]) == 0
+        text = capsys.readouterr().out
+        assert "level:    avx2" in text and "int8_act_gemm" in text and "dtype float32" in text
+    assert main(["info", "--dtype", "float32"]) == 0
+    assert "weight_quant none" in capsys.readouterr().out  # float32 by name: the exact dense sums
+
+
+def test_gemel_info_refuses_a_level_the_cpu_lacks(capsys, monkeypatch):
+    from gemel.cli import main
+
+    monkeypatch.setattr(kernel_plan, "cpu_info", lambda: cpu(AVX2))
+    assert main(["info", "--cpu-isa", "amx"]) == 2
+    assert "needs a CPU with AMX" in capsys.readouterr().err
