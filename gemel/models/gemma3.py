@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemel.layers import fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_gemma
 from gemel.layers.linear import Linear
@@ -20,6 +21,12 @@ from gemel.models.weights import WeightSource
 
 def _norm(w: WeightSource, name: str) -> nn.Parameter:
     return nn.Parameter(w.get(name, dtype=torch.float32), requires_grad=False)
+
+
+def _fused_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm_gemma`` for float32 x as one C++ op: in float32 Gemma's and Llama's rounding
+    orders are the same arithmetic, so the fused Llama norm serves (rows of the last dimension)."""
+    return torch.ops.gemel.rms_norm(x.reshape(-1, x.shape[-1]), weight_plus_one, eps).view(x.shape)
 
 
 class Gemma3Layer(nn.Module):
@@ -43,22 +50,26 @@ class Gemma3Layer(nn.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         cos, sin = rope[self.sliding]
-        h = rms_norm_gemma(x, self.input_norm, eps)
+        # float32 eager steps with the C++ kernels: each norm one op instead of five
+        norm = _fused_norm if x.dtype == torch.float32 and fused.use_fused(meta) else rms_norm_gemma
+        h = norm(x, self.input_norm, eps)
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = rms_norm_gemma(q.view(-1, cfg.num_heads, cfg.head_dim), self.q_norm, eps)
-        k = rms_norm_gemma(k.view(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm, eps)
+        q = norm(q.reshape(-1, cfg.num_heads, cfg.head_dim), self.q_norm, eps)
+        k = norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm, eps)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
-        x = x + rms_norm_gemma(self.o_proj(attn), self.post_attn_norm, eps)
-        h = rms_norm_gemma(x, self.pre_ffn_norm, eps)
+        x = x + norm(self.o_proj(attn), self.post_attn_norm, eps)
+        h = norm(x, self.pre_ffn_norm, eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         h = self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return x + rms_norm_gemma(h, self.post_ffn_norm, eps)
+        return x + norm(h, self.post_ffn_norm, eps)
 
 
 class Gemma3ForCausalLM(nn.Module):
+    supports_fused_ops = True  # its norms in float32 (layers/fused.py)
+
     def __init__(self, cfg: ModelArchConfig, w: WeightSource, device: torch.device, max_positions: int):
         super().__init__()
         self.cfg = cfg
@@ -84,7 +95,8 @@ class Gemma3ForCausalLM(nn.Module):
         }
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, meta, kv_cache)
-        return rms_norm_gemma(x, self.norm, self.cfg.rms_norm_eps)
+        norm = _fused_norm if x.dtype == torch.float32 and fused.use_fused(meta) else rms_norm_gemma
+        return norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

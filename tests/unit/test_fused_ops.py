@@ -127,12 +127,36 @@ def test_engine_with_fused_ops_matches_pytorch_ops(tiny_llama_dir, dtype):
             assert abs(la.logprob - lb.logprob) < tol
 
 
-def test_models_without_fused_layers_keep_pytorch_ops(tiny_gemma3_dir):
-    from gemel import LLM
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma_takes_the_fused_norms_in_float32_only(tiny_gemma3_dir, dtype, monkeypatch):
+    """Gemma's norms (scale by 1 + w in float32, then round) are Llama's arithmetic in float32,
+    so float32 eager steps take the fused C++ norm: same tokens and log-probabilities as the
+    PyTorch ops; in bf16, where the rounding orders differ, the C++ norm is never called."""
+    from gemel import LLM, SamplingParams
 
-    llm = LLM(tiny_gemma3_dir, dtype="float32", num_kv_blocks=32)
-    assert llm.engine.core.runner.fused_ops is False
-    assert llm.engine.core.runner.sampler.cpu_argmax  # the argmax serves every model
+    calls = []
+    real = torch.ops.gemel.rms_norm
+
+    class Counting:
+        def __call__(self, *args):
+            calls.append(args[0].dtype)
+            return real(*args)
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [[5, 17, 33, 90, 2], [200, 11, 4]]
+    outs = []
+    for on in (False, True):
+        llm = LLM(tiny_gemma3_dir, dtype=dtype, num_kv_blocks=32, cpu_fused_ops=on)
+        assert llm.engine.core.runner.fused_ops is on and llm.engine.core.runner.sampler.cpu_argmax is on
+        monkeypatch.setattr(torch.ops.gemel, "rms_norm", Counting())
+        outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        monkeypatch.undo()
+    assert bool(calls) == (dtype == "float32") and set(calls) <= {torch.float32}
+    tol = 1e-4 if dtype == "float32" else 0.0
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la.logprob - lb.logprob) <= tol
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 100, 49152])
