@@ -9,7 +9,31 @@ from gemel.engine.llm_engine import LLMEngine
 from gemel.engine.output_processor import RequestOutput
 from gemel.sampling_params import SamplingParams
 
-Prompt = str | list[dict]
+# A prompt: text, a chat conversation (a list of {"role", "content"} messages), or vLLM's prompt
+# dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": [...]} (TokensPrompt).
+Prompt = str | list[dict] | dict
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def _prompt_item(prompt) -> tuple[str | list[dict] | None, list[int] | None]:
+    """(text or conversation, token ids) for one prompt in any of the accepted shapes."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise TypeError("prompt_token_ids must be a list of ints")
+            return None, list(ids)
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError("a {'prompt': ...} dict takes a string")
+            return prompt["prompt"], None
+        raise TypeError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids)")
+    if isinstance(prompt, str) or _is_conversation(prompt):
+        return prompt, None
+    raise TypeError(f"unsupported prompt {type(prompt).__name__}: use text, a prompt dict or a chat conversation")
 
 
 class LLM:
@@ -31,14 +55,21 @@ class LLM:
         prompts: Prompt | list[Prompt] | None = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in prompt order. A prompt may be text or a list of chat messages."""
+        """One output per prompt, in prompt order. As in vLLM, a prompt is text,
+        ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, one of them or a list of them;
+        a chat conversation (a list of messages) is one prompt too (``chat`` is the clearer
+        call). ``prompt_token_ids=`` (vLLM's older keyword) and ``use_tqdm`` (no progress bar
+        here) are accepted."""
         if prompt_token_ids is not None:
-            items: list = [(None, ids) for ids in prompt_token_ids]
+            if prompts is not None:
+                raise ValueError("pass prompts or prompt_token_ids, not both")
+            items: list = [(None, list(ids)) for ids in prompt_token_ids]
         else:
-            if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            if isinstance(prompts, (str, dict)) or _is_conversation(prompts):
                 prompts = [prompts]
-            items = [(p, None) for p in prompts or []]
+            items = [_prompt_item(p) for p in prompts or []]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(items):
                 raise ValueError("need one SamplingParams per prompt")
@@ -58,7 +89,14 @@ class LLM:
         return [done[rid] for rid in order]
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them; one output each."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            if not _is_conversation(conversation):
+                raise TypeError("chat takes a conversation (a list of {'role', 'content'} messages) or a list of them")
         return self.generate(conversations, sampling_params)
