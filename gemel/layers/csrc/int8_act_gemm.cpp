@@ -260,6 +260,11 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
 //    guarantees; the dot product is then sum (u - 128) x, and the callers' zero point and
 //    offset are shifted by 128 to match.
 
+// How far ahead of the weights being read (bytes) a small call on 8-bit codes asks for the
+// next ones: Gemma 3's 178 MB Q8_0 LM head, batch-1 step 11.1-11.4 -> 10.2-10.3 ms on a Zen 5
+// capped at AVX2 (the 4-bit path showed no gain beyond the noise, so it has none).
+constexpr int64_t kPrefetchAhead = 4096;
+
 // 8 scales or offsets, stored as float32 or float16.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {
@@ -306,6 +311,10 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
       for (int r = 0; r < kRows; ++r) dot[r] = _mm256_madd_epi16(sum16[r], ones);
     } else {
       const uint8_t* wg = w + (block * groups + g) * kBlockBytes + half * 32;
+      if (half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
+        for (int line = 0; line < 8; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T0);
+      }
       const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
       for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
