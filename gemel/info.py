@@ -39,11 +39,7 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
     chosen = select_dtype(engine.dtype, device, engine.cpu_isa)
     if engine.num_threads:
         torch.set_num_threads(engine.num_threads)
-    plan, warnings = kernel_plan.plan_engine(
-        device=device, dtype=chosen, dtype_requested=engine.dtype, weight_quant=engine.weight_quant,
-        cpu_isa=engine.cpu_isa, packed_max_rows=engine.packed_max_rows, int8_activations=engine.int8_activations,
-        int8_act_max_rows=engine.int8_act_max_rows, amx_max_rows=engine.amx_max_rows,
-    )
+    plan, warnings = kernel_plan.plan_for_config(engine, device, chosen)
     return {
         "cpu": {"model": cpu.model, "machine": cpu.machine, "flags": cpu.relevant_flags(), "best_isa": cpu.best_isa},
         "isa": level,

@@ -20,7 +20,7 @@ from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import NgramProposer, SpecStats
 from gemel.engine.step_budget import StepTimeModel, prefill_keys
-from gemel.layers.kernel_plan import plan_engine
+from gemel.layers.kernel_plan import plan_for_config
 from gemel.layers.linear import apply_plan_
 from gemel.loader.model_loader import LoadedModel, load_model
 from gemel.platform import select_device, select_dtype
@@ -39,17 +39,7 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
         arch = self.loaded.arch
-        self.plan, warnings = plan_engine(
-            device=self.device,
-            dtype=self.dtype,
-            dtype_requested=config.dtype,
-            weight_quant=config.weight_quant,
-            cpu_isa=config.cpu_isa,
-            packed_max_rows=config.packed_max_rows,
-            int8_activations=config.int8_activations,
-            int8_act_max_rows=config.int8_act_max_rows,
-            amx_max_rows=config.amx_max_rows,
-        )
+        self.plan, warnings = plan_for_config(config, self.device, self.dtype)
         for warning in warnings:
             log.warning(warning)
         log.info("kernel plan: %s", self.plan.describe())

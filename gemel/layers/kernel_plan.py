@@ -279,6 +279,21 @@ def plan_engine(
     return plan, warnings
 
 
+def plan_for_config(engine, device: "torch.device", dtype: "torch.dtype") -> tuple[KernelPlan, list[str]]:
+    """``plan_engine`` for an engine configuration (``gemel.config.EngineConfig``)."""
+    return plan_engine(
+        device=device,
+        dtype=dtype,
+        dtype_requested=engine.dtype,
+        weight_quant=engine.weight_quant,
+        cpu_isa=engine.cpu_isa,
+        packed_max_rows=engine.packed_max_rows,
+        int8_activations=engine.int8_activations,
+        int8_act_max_rows=engine.int8_act_max_rows,
+        amx_max_rows=engine.amx_max_rows,
+    )
+
+
 @functools.cache
 def bf16_gemm_supported() -> bool:
     """Whether oneDNN computes bf16 GEMMs on this CPU (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT;
