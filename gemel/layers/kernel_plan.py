@@ -211,7 +211,6 @@ def plan_engine(
     int8_activations: bool = False,
     int8_act_max_rows: int | None = None,
     amx_max_rows: int | None = None,
-    load_kernels: bool = True,
 ) -> tuple[KernelPlan, list[str]]:
     """The plan for one engine and the warnings about settings it could not honour.
 
@@ -228,7 +227,7 @@ def plan_engine(
         resolved = "none" if weight_quant == "auto" else weight_quant
         return KernelPlan(str(device.type), dtype, "", False, resolved, 0, False, 0, False, None, 0, False), warnings
     isa = resolve_isa(cpu_isa)
-    kernels = load_kernels and cpu_kernels.load(isa)
+    kernels = cpu_kernels.load(isa)
     if kernels and cpu_kernels.loaded_isa() != isa:
         warnings.append(f"this process already runs kernels built for {cpu_kernels.loaded_isa()}; cpu_isa={isa} "
                         "applies to the plan only")
@@ -236,12 +235,13 @@ def plan_engine(
     vnni = kernels and isa_rank(isa) >= isa_rank("avx512") and cpu.has("avx512_vnni")
     integer_dots = kernels and isa_rank(isa) >= isa_rank("avx2")  # int8_act_gemm's fast paths
     amx = isa == "amx"
-    float32_auto = dtype == torch.float32 and dtype_requested == "auto"
+    # float32 chosen by dtype auto on a CPU with the integer kernels: every call on int8_act_gemm
+    every_call_int8 = weight_quant == "auto" and dtype == torch.float32 and dtype_requested == "auto" and integer_dots
 
     resolved = weight_quant
     if weight_quant == "auto":
-        resolved = "checkpoint" if dtype == torch.bfloat16 or (float32_auto and integer_dots) else "none"
-    if float32_auto and weight_quant == "auto" and integer_dots:
+        resolved = "checkpoint" if dtype == torch.bfloat16 or every_call_int8 else "none"
+    if every_call_int8:
         # Every call on int8_act_gemm: no weight-only copies, no dense weights left to read.
         int8_activations, packed_rows, int8_act_max_rows = True, 0, None
     else:

@@ -442,7 +442,7 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
               u = w[(b * groups + g) * kBlockBytes + vector * 64 + lane_byte];
             }
             dot += u * codes[m * in_features + g * kGroup + k];
-            centred[k / 16] += (u - 128) * codes[m * in_features + g * kGroup + k];
+            if constexpr (kSub16) centred[k / 16] += (u - 128) * codes[m * in_features + g * kGroup + k];
           }
           if constexpr (kSub16) {
             const int64_t at = (b * groups + g) * 2 * kBlockRows + i;
