@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random-weight Llama and Gemma 3 checkpoints made with transformers.
+"""Shared fixtures: tiny random-weight Llama, Gemma 3 and Qwen2 checkpoints made with transformers.
 
 Each is a real Hugging Face directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json), so gemel loads it through the same code path as a downloaded
@@ -120,6 +120,32 @@ def make_tiny_gemma3(directory: str) -> str:
     return directory
 
 
+def make_tiny_qwen2(directory: str) -> str:
+    """Qwen2: the Llama decoder with q/k/v biases (config.json does not say so: the loader
+    must know it from the architecture), untied LM head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    _randomise(model, 3)
+    model.save_pretrained(directory, safe_serialization=True)
+    _write_tokenizer(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
@@ -128,6 +154,11 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> str:
     return make_tiny_gemma3(str(tmp_path_factory.mktemp("tiny-gemma3")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return make_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2")))
 
 
 @pytest.fixture(scope="session", params=["llama", "gemma3"])

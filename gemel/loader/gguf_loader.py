@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gemel.models import registry
 from gemel.models.config import ModelArchConfig
 
 # torch is imported where tensors are made: the API process reads the metadata and the
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     import torch
 
     from gemel.models.weights import Int4Groups, Int8Groups
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -143,12 +142,13 @@ def field(reader, key: str, default=None):
 
 
 def hf_name(gguf_name: str, architecture: str) -> str:
+    """The Hugging Face name of a GGUF tensor of a model of family ``architecture``."""
     stem, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
     if m:
         part = m.group(2)
         if part == "ffn_norm":
-            mapped = "pre_feedforward_layernorm" if architecture == "gemma3" else "post_attention_layernorm"
+            mapped = registry.family(architecture).gguf_ffn_norm
         else:
             mapped = _LAYER_NAMES.get(part)
         if mapped is None:
@@ -160,8 +160,10 @@ def hf_name(gguf_name: str, architecture: str) -> str:
 
 def arch_config(reader, path: str) -> ModelArchConfig:
     arch = field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFLoadError(f"{path}: architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    try:
+        family = registry.family_for_gguf(arch)
+    except registry.UnsupportedArchitecture as exc:
+        raise GGUFLoadError(f"{path}: {exc}") from exc
 
     def key(name, default=None):
         return field(reader, f"{arch}.{name}", default)
@@ -178,7 +180,7 @@ def arch_config(reader, path: str) -> ModelArchConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
     layers = int(key("block_count"))
     cfg = ModelArchConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -193,20 +195,13 @@ def arch_config(reader, path: str) -> ModelArchConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
     )
-    if arch == "gemma3":
-        # llama.cpp's Gemma 3 layout: every 6th layer global, the rest sliding; local RoPE base 10k.
-        cfg.sliding_window = int(key("attention.sliding_window", 512))
-        cfg.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
-        cfg.rope_local_theta = 10000.0
-        cfg.query_pre_attn_scalar = float(head_dim)
-        softcap = key("final_logit_softcapping")
-        cfg.final_logit_softcapping = float(softcap) if softcap else None
+    family.gguf_config(key, cfg)
     return cfg
 
 
 def _rope_permuted_heads(cfg: ModelArchConfig, gguf_name: str) -> int | None:
-    """Heads of a Llama q/k projection whose rows llama.cpp stored permuted, else None."""
-    if cfg.architecture != "llama" or not gguf_name.startswith("blk."):
+    """Heads of a q/k projection whose rows llama.cpp stored permuted, else None."""
+    if not registry.family(cfg.architecture).gguf_rope_permuted or not gguf_name.startswith("blk."):
         return None
     if ".attn_q." in gguf_name:
         return cfg.num_heads

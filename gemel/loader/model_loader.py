@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from gemel.loader import sources
 from gemel.loader.tokenizer import Tokenizer
+from gemel.models import registry
 from gemel.models.config import ModelArchConfig
 
 if TYPE_CHECKING:  # torch loads with the weights (load_model), not with the metadata
@@ -22,16 +23,9 @@ class LoadedModel:
     path: str
 
 
-def model_class(architecture: str):
-    if architecture in ("llama", "qwen2"):
-        from gemel.models.llama import LlamaForCausalLM
-
-        return LlamaForCausalLM
-    if architecture == "gemma3":
-        from gemel.models.gemma3 import Gemma3ForCausalLM
-
-        return Gemma3ForCausalLM
-    raise ValueError(f"architecture {architecture!r} is not supported")
+def model_class(architecture: str) -> type[torch.nn.Module]:
+    """The model class of a family (a ModelArchConfig.architecture); ValueError if none."""
+    return registry.family(architecture).model_class()
 
 
 def load_arch_and_tokenizer(path: str) -> tuple[ModelArchConfig, Tokenizer, dict, dict, dict]:

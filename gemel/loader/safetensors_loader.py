@@ -11,6 +11,7 @@ import mmap
 import os
 import struct
 
+from gemel.models import registry
 from gemel.models.config import ModelArchConfig
 
 # safetensors dtype -> torch dtype name; torch itself is imported where tensors are made, so
@@ -22,13 +23,6 @@ _DTYPES = {
     "F64": "float64",
     "I64": "int64",
     "I32": "int32",
-}
-_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",
 }
 
 
@@ -43,17 +37,16 @@ def arch_config(directory: str) -> ModelArchConfig:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise SafetensorsLoadError(f"{path}: cannot read model config ({exc})") from exc
-    archs = cfg.get("architectures") or []
-    arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None)
-    if arch is None:
-        raise SafetensorsLoadError(f"{path}: architectures {archs} not supported (supported: {sorted(_ARCHS)})")
+    try:
+        family = registry.family_for_hf(cfg.get("architectures") or [])
+    except registry.UnsupportedArchitecture as exc:
+        raise SafetensorsLoadError(f"{path}: {exc}") from exc
     if "text_config" in cfg:  # multimodal wrapper: the decoder's settings live here
         cfg = {**cfg, **cfg["text_config"]}
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope_params = cfg.get("rope_parameters") or {}
     full_rope = rope_params.get("full_attention", rope_params) if isinstance(rope_params, dict) else {}
-    local_rope = rope_params.get("sliding_attention", {}) if isinstance(rope_params, dict) else {}
     rope_theta = cfg.get("rope_theta") or full_rope.get("rope_theta") or 10000.0
     rope_scaling = cfg.get("rope_scaling")
     if rope_scaling is None and full_rope.get("rope_type", "default") != "default":
@@ -61,7 +54,7 @@ def arch_config(directory: str) -> ModelArchConfig:
     if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
         rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
     out = ModelArchConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -72,19 +65,11 @@ def arch_config(directory: str) -> ModelArchConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
-        attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", family.hf_tie_word_embeddings),
+        attention_bias=cfg.get("attention_bias", family.hf_attention_bias),
         rope_scaling=rope_scaling,
     )
-    if arch == "gemma3":
-        out.sliding_window = cfg.get("sliding_window", 512)
-        pattern = cfg.get("sliding_window_pattern", 6)
-        out.layer_types = cfg.get("layer_types") or [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(out.num_layers)
-        ]
-        out.rope_local_theta = float(cfg.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0)
-        out.query_pre_attn_scalar = cfg.get("query_pre_attn_scalar", head_dim)
-        out.final_logit_softcapping = cfg.get("final_logit_softcapping")
+    family.hf_config(cfg, out)
     return out
 
 
@@ -129,11 +114,12 @@ def tensor_factories(directory: str, cfg: ModelArchConfig) -> dict:
     factories: dict = {}
     for name in files:
         factories.update(_index_file(os.path.join(directory, name)))
+    norm_offset = registry.family(cfg.architecture).hf_norm_weight_offset
     out = {}
     for name, factory in factories.items():
         name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
-        if cfg.architecture == "gemma3" and name.endswith("norm.weight"):
-            # Gemma scales by (1 + w); store the sum, as GGUF does, so the model has one convention.
-            factory = (lambda f: (lambda: f().float() + 1.0))(factory)
+        if norm_offset and name.endswith("norm.weight"):
+            # e.g. Gemma scales by (1 + w): store the sum, as GGUF does, so the model has one convention.
+            factory = (lambda f: (lambda: f().float() + norm_offset))(factory)
         out[name] = factory
     return out

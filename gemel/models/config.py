@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelArchConfig:
-    architecture: str  # "llama", "qwen2" or "gemma3"
+    architecture: str  # a family name in gemel.models.registry
     vocab_size: int
     hidden_size: int
     intermediate_size: int
