@@ -1,4 +1,4 @@
-"""Per-request decoding parameters (SPEC F16), validated once at the edge."""
+"""Per-request decoding parameters, validated once at the edge."""
 
 from __future__ import annotations
 
@@ -7,6 +7,24 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gemel.engine.structured_output import StructuredOutputSpec
+
+
+class SamplingParamError(ValueError):
+    """A bad decoding parameter: the field it concerns and what that field must be.
+
+    Each API surface renders it under its own name for the field (``temperature`` on
+    OpenAI, ``generationConfig.temperature`` on Gemini), so the error carries the field
+    rather than a sentence to be picked apart.
+    """
+
+    def __init__(self, field: str, requirement: str):
+        super().__init__(f"{field} {requirement}")
+        self.field = field
+        self.requirement = requirement
+
+    def message_for(self, name: str) -> str:
+        """The message with the field called ``name``, as the caller's surface spells it."""
+        return f"{name} {self.requirement}"
 
 
 @dataclass
@@ -36,7 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     priority: int = 1
     include_stop_str_in_output: bool = False
-    structured_output: StructuredOutputSpec | None = None  # grammar the output must match (F17)
+    structured_output: StructuredOutputSpec | None = None  # grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,28 +64,28 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field, so every API surface can map it to a 400."""
+        """Raise SamplingParamError for the first bad field, so every surface can answer 400 naming it."""
         checks = [
-            (isinstance(self.n, int) and 1 <= self.n <= 16, "n must be an integer between 1 and 16"),
-            (self.temperature >= 0.0, "temperature must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int), "top_k must be an integer"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be a positive integer"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-             "min_tokens must be between 0 and max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
-            (self.priority in (0, 1, 2), "priority must be 0, 1 or 2"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (len(self.stop) <= 16, "at most 16 stop strings"),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            ("n", isinstance(self.n, int) and 1 <= self.n <= 16, "must be an integer between 1 and 16"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int), "must be an integer"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be a positive integer"),
+            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "must be between 0 and max_tokens"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
+            ("priority", self.priority in (0, 1, 2), "must be 0, 1 or 2"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings only"),
+            ("stop", len(self.stop) <= 16, f"may hold at most 16 strings (got {len(self.stop)})"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
         ]
-        for ok, message in checks:
+        for name, ok, requirement in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamError(name, requirement)
 
     @property
     def greedy(self) -> bool:

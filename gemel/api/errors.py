@@ -142,6 +142,8 @@ def as_api_error(exc: BaseException) -> APIError:
     """Map engine and library exceptions to answers; anything unknown is a 500."""
     if isinstance(exc, APIError):
         return exc
+    if hasattr(exc, "to_api_error"):  # the gateway's refusals (429 / 503 with Retry-After)
+        return exc.to_api_error()
     if isinstance(exc, RequestRejected):
         return APIError(400, str(exc))
     if isinstance(exc, EngineNotReadyError):

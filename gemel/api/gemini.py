@@ -1,4 +1,4 @@
-"""Gemini REST surface (SPEC F30), served under ``/v1beta`` and ``/v1``.
+"""Gemini REST surface, served under ``/v1beta`` and ``/v1``.
 
 Request bodies are parsed with proto3 JSON rules into the official
 ``google.ai.generativelanguage`` messages (camelCase or snake_case names, enum names or
@@ -11,18 +11,21 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from google.protobuf import json_format
 from google.protobuf.message import Message
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from gemel.api.auth import Principal, authenticate
-from gemel.api.errors import APIError, as_api_error, gemini_error, invalid
-from gemel.api.inputs import build_params, check_gemini_base64, gemini_messages, gemini_parts_text
-from gemel.api.lifecycle import Deadline, collect, first_output, guarded
-from gemel.api.state import ServedModel, ServerState, mark_model, state_of
+from gemel.api.errors import APIError, gemini_error, invalid
+from gemel.api.inputs import check_gemini_base64, gemini_messages, gemini_parts_text
+from gemel.api.lifecycle import Deadline
+from gemel.api.params import camel, gemini_fields, make_params, plain_knobs
+from gemel.api import pipeline
+from gemel.api.pipeline import Generation, GenerationRequest, Guard, HttpCall
+from gemel.api.state import ServedModel, ServerState
 from gemel.api.structured import gemini_spec
 from gemel.embeddings.vectors import truncate
 from gemel.engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
@@ -32,38 +35,18 @@ router = APIRouter(tags=["gemini"])
 
 FINISH_REASON = {"stop": "STOP", "length": "MAX_TOKENS", "abort": "OTHER"}
 
-# generationConfig fields gemel honours, and those accepted and ignored (proto field names).
-HONOURED = {
-    "candidate_count", "stop_sequences", "max_output_tokens", "temperature", "top_p", "top_k", "seed",
-    "presence_penalty", "frequency_penalty", "response_logprobs", "logprobs", "response_mime_type",
-    "response_modalities", "response_schema", "response_json_schema",
+# generationConfig fields gemel honours (the decoding knobs and the answer's form), and those
+# accepted and ignored (proto field names).
+HONOURED = gemini_fields() | {
+    "response_logprobs", "response_mime_type", "response_modalities", "response_schema", "response_json_schema",
 }
 IGNORED = {"thinking_config"}
-# SamplingParams field -> the Gemini name its validation errors should carry.
-GEMINI_NAMES = {
-    "n": "generationConfig.candidateCount",
-    "temperature": "generationConfig.temperature",
-    "top_p": "generationConfig.topP",
-    "top_k": "generationConfig.topK",
-    "presence_penalty": "generationConfig.presencePenalty",
-    "frequency_penalty": "generationConfig.frequencyPenalty",
-    "max_tokens": "generationConfig.maxOutputTokens",
-    "logprobs": "generationConfig.logprobs",
-    "stop strings": "generationConfig.stopSequences",
-    "at most 16 stop strings": "generationConfig.stopSequences",
-    "seed": "generationConfig.seed",
-}
 
 
 def _types():
     from google.ai.generativelanguage_v1beta import types
 
     return types
-
-
-def camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(w.title() for w in rest)
 
 
 def api_version(request: Request) -> str:
@@ -126,10 +109,7 @@ def sampling_params(req, model: ServedModel) -> SamplingParams:
         kwargs["max_tokens"] = gc.max_output_tokens
     else:
         kwargs["max_tokens"] = model.max_output_tokens
-    for proto_name, name in (
-        ("candidate_count", "n"), ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-        ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-    ):
+    for proto_name, name in plain_knobs("gemini"):
         if gc.HasField(proto_name):
             kwargs[name] = getattr(gc, proto_name)
     if gc.HasField("top_k"):
@@ -143,7 +123,7 @@ def sampling_params(req, model: ServedModel) -> SamplingParams:
         )
     if gc.response_logprobs:
         kwargs["logprobs"] = gc.logprobs if gc.HasField("logprobs") else 0
-    return build_params(kwargs, GEMINI_NAMES)
+    return make_params(kwargs, "gemini")
 
 
 def refuse_unsupported(req) -> None:
@@ -225,64 +205,30 @@ class ResponseBuilder:
 
 
 # -- the generation routes ---------------------------------------------------------------
-class GenerateJob:
-    """A parsed, validated generateContent request, ready for the engine.
+def generation_request(model: ServedModel, req, deadline: Deadline) -> GenerationRequest:
+    """A GenerateContentRequest (the protobuf; REST and gRPC alike) -> the shared request."""
+    refuse_unsupported(req)
+    params = sampling_params(req, model)
+    system = req.system_instruction if req.HasField("system_instruction") else None
+    return GenerationRequest(model, params, deadline, pipeline.chat_prompt(gemini_messages(req.contents, system, model.id)))
 
-    Transport-agnostic: the REST routes build one with ``from_http``, the gRPC surface
-    (``gemel.api.grpc_server``) with the proto it received; both then ``launch`` it."""
 
-    def __init__(self, state: ServerState, model: ServedModel, req, deadline: Deadline):
-        self.state = state
-        self.model = model
-        self.deadline = deadline
-        refuse_unsupported(req)
-        self.params = sampling_params(req, self.model)
-        engine = self.model.engine
-        self.engine = engine
-        self.messages = gemini_messages(
-            req.contents, req.system_instruction if req.HasField("system_instruction") else None, self.model.id
-        )
-        self.request_id = uuid.uuid4().hex
+def response_builder(gen: Generation) -> ResponseBuilder:
+    req = gen.request
+    return ResponseBuilder(req.model, gen.prompt_tokens, req.params.logprobs, req.model.engine.tokenizer)
 
-    @classmethod
-    def from_http(cls, request: Request, model_name: str, body: dict, method: str) -> GenerateJob:
-        state = state_of(request)
-        model = state.generative(model_name, "gemini", api_version(request), method)
-        mark_model(request, model)
-        deadline = Deadline.from_request(request, state.config.server)
-        return cls(state, model, parse(body, _types().GenerateContentRequest), deadline)
 
-    def wait_ready(self) -> Awaitable[None]:
-        """The engine's readiness, bounded by the deadline (the caller guards it)."""
-        return self.engine.wait_ready(min(self.deadline.remaining(), self.state.config.server.engine_ready_timeout_s))
-
-    async def launch(self, principal: Principal) -> AsyncIterator[RequestOutput]:
-        """Tokenise and hand the request to the engine; every surface goes through here."""
-        engine = self.engine
-        tok = engine.tokenizer
-        prompt = tok.apply_chat_template(self.messages, add_generation_prompt=True)
-        prompt_ids = tok.encode_chat(self.messages, add_generation_prompt=True)
-        self.builder = ResponseBuilder(self.model, len(prompt_ids), self.params.logprobs, tok)
-        # the gateway (F42, F43): class queue bound and tokens/min reservation, then the tenant's
-        # class as the engine priority (F14) and its engine quota (F15)
-        self.params.priority = principal.priority_for(None)
-        await principal.admit_generation(len(prompt_ids), self.params.max_tokens * self.params.n)
-        stream = engine.generate(
-            self.request_id, prompt, prompt_ids, self.params, principal.tenant, self.deadline.at, quota=principal.quota
-        )
-        return principal.meter(stream)
-
-    async def start(self, request: Request, principal: Principal) -> AsyncIterator[RequestOutput]:
-        await guarded(request, self.wait_ready(), self.deadline)
-        return await self.launch(principal)
+async def _start(request: Request, model: str, method: str, principal: Principal) -> tuple[HttpCall, Generation]:
+    call = pipeline.http_call(request, model, "gemini", api_version(request), "generate", method)
+    req = generation_request(call.model, parse(await read_json(request), _types().GenerateContentRequest), call.deadline)
+    return call, await pipeline.start_generation(call.state, req, principal, call.guard)
 
 
 @router.post("/models/{model}:generateContent", summary="Gemini generateContent")
 async def generate_content(model: str, request: Request, principal: Principal = Depends(authenticate)) -> Response:
-    job = GenerateJob.from_http(request, model, await read_json(request), "generateContent")
-    stream = await job.start(request, principal)
-    out = await collect(request, stream, job.deadline)
-    return JSONResponse(job.builder.unary(out))
+    call, gen = await _start(request, model, "generateContent", principal)
+    (out,) = await pipeline.finish(gen, call.guard)
+    return JSONResponse(response_builder(gen).unary(out))
 
 
 @router.post("/models/{model}:streamGenerateContent", summary="Gemini streamGenerateContent (SSE or JSON array)")
@@ -290,9 +236,9 @@ async def stream_generate_content(model: str, request: Request, principal: Princ
     alt = request.query_params.get("alt") or request.query_params.get("$alt") or "json"
     if alt not in ("sse", "json"):
         raise invalid(f"alt must be sse or json (got {alt!r})", param="alt")
-    job = GenerateJob.from_http(request, model, await read_json(request), "streamGenerateContent")
-    stream = await job.start(request, principal)
-    first = await guarded(request, first_output(stream), job.deadline)  # errors so far get a real status
+    call, gen = await _start(request, model, "streamGenerateContent", principal)
+    items = await pipeline.relay(gen, call.guard)
+    builder = response_builder(gen)
     sse = alt == "sse"
 
     def encode(obj: dict, index: int) -> str:
@@ -304,42 +250,32 @@ async def stream_generate_content(model: str, request: Request, principal: Princ
     async def events() -> AsyncIterator[str]:
         sent = 0
         try:
-            out = first
-            while True:
-                chunk = job.builder.chunk(out)
-                if chunk is not None or (out.finished and sent == 0):
-                    yield encode(chunk or job.builder.unary(out), sent)
+            async for item in items:
+                if isinstance(item, APIError):  # the status line is gone: the error travels as an event
+                    yield encode(gemini_error(item), sent)
                     sent += 1
-                if out.finished:
                     break
-                out = await stream.__anext__()
-        except StopAsyncIteration:
-            pass
-        except TimeoutError:
-            yield encode(gemini_error(job.deadline.exceeded("mid-stream")), sent)
-            sent += 1
-        except Exception as e:  # the status line is gone: the error travels as an event
-            yield encode(gemini_error(as_api_error(e)), sent)
-            sent += 1
+                _, out = item
+                chunk = builder.chunk(out)
+                if chunk is not None or (out.finished and sent == 0):
+                    yield encode(chunk or builder.unary(out), sent)
+                    sent += 1
         finally:
-            await stream.aclose()
+            await items.aclose()
         if not sse:
             yield "]" if sent else "[]"
 
-    media = "text/event-stream" if sse else "application/json"
-    return StreamingResponse(events(), media_type=media, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return pipeline.stream_response(events(), "text/event-stream" if sse else "application/json")
 
 
 @router.post("/models/{model}:countTokens", summary="Gemini countTokens")
 async def count_tokens(model: str, request: Request, principal: Principal = Depends(authenticate)) -> Response:
-    st = state_of(request)
-    served = st.resolve(model, "gemini", api_version(request))
-    mark_model(request, served)
+    call = pipeline.http_call(request, model, "gemini", api_version(request), "any")
     req = parse(await read_json(request), _types().CountTokensRequest)
-    return JSONResponse(await count_tokens_result(st, served, req))
+    return JSONResponse(await count_tokens_result(call.state, call.model, req, call.deadline, call.guard))
 
 
-async def count_tokens_result(st: ServerState, served: ServedModel, req) -> dict:
+async def count_tokens_result(st: ServerState, served: ServedModel, req, deadline: Deadline, guard: Guard) -> dict:
     """CountTokensResponse JSON for a parsed request (REST and gRPC)."""
     if req.HasField("generate_content_request"):
         inner = req.generate_content_request
@@ -350,14 +286,9 @@ async def count_tokens_result(st: ServerState, served: ServedModel, req) -> dict
         if not contents:
             raise invalid("contents is not specified", param="contents")
         texts = [gemini_parts_text(c, f"contents[{i}]", served.id) for i, c in enumerate(contents)]
-        encoder = await st.encoder(served, st.config.server.engine_ready_timeout_s)
-        total = sum(encoder.count_tokens(texts))
+        total = await pipeline.count_text_tokens(st, served, texts, deadline, guard)
     else:
-        messages = gemini_messages(contents, system, served.id)
-        engine = served.engine
-        if engine.tokenizer is None:
-            raise APIError(503, "the model is still loading; retry shortly", retry_after_s=5)
-        total = len(engine.tokenizer.encode_chat(messages, add_generation_prompt=True))
+        total = await pipeline.count_chat_tokens(st, served, gemini_messages(contents, system, served.id), guard)
     return {"totalTokens": total, "promptTokensDetails": [{"modality": "TEXT", "tokenCount": total}]}
 
 
@@ -365,8 +296,7 @@ async def count_tokens_result(st: ServerState, served: ServedModel, req) -> dict
 def _embed_text(req, where: str, model_id: str) -> str:
     if not req.HasField("content") or not req.content.parts:
         raise invalid(f"{where}content is not specified", param=f"{where}content")
-    text = gemini_parts_text(req.content, f"{where}content", model_id)
-    return text
+    return gemini_parts_text(req.content, f"{where}content", model_id)
 
 
 def _dimensions(req, where: str, dims: int) -> int | None:
@@ -378,58 +308,55 @@ def _dimensions(req, where: str, dims: int) -> int | None:
     return d
 
 
-def _values(vec) -> list[float]:
-    return [float(x) if math.isfinite(x) else 0.0 for x in vec.tolist()]
+def _embedding(vectors, dims: int | None) -> dict:
+    """One ContentEmbedding: the unit vector cut to ``dims`` (non-finite values as 0)."""
+    return {"values": [float(x) if math.isfinite(x) else 0.0 for x in truncate(vectors, dims)[0].tolist()]}
 
 
-def check_batch_size(st: ServerState, req) -> None:
+async def embed_content_result(st: ServerState, served: ServedModel, req, deadline: Deadline, guard: Guard) -> dict:
+    """EmbedContentResponse JSON for a parsed request (REST and gRPC)."""
+    encoder = await pipeline.encoder_of(st, served, deadline, guard)
+    text = _embed_text(req, "", served.id)
+    dims = _dimensions(req, "", encoder.dimensions)
+    return {"embedding": _embedding(await pipeline.embed(st, served, [text], deadline, guard), dims)}
+
+
+async def batch_embed_result(
+    st: ServerState, served: ServedModel, req, deadline: Deadline, guard: Guard, version: str, outer: str
+) -> dict:
+    """BatchEmbedContentsResponse JSON for a parsed request (REST and gRPC); ``outer`` names
+    where the request's model came from, for an inner request naming another."""
     if not req.requests:
         raise invalid("requests is not specified", param="requests")
     limit = st.config.embeddings.max_batch if st.config.embeddings else 100
     if len(req.requests) > limit:
         raise invalid(f"requests: at most {limit} requests are allowed in a batch (got {len(req.requests)})", param="requests")
-
-
-def batch_embed_inputs(
-    st: ServerState, served: ServedModel, req, dimensions: int, version: str, outer: str
-) -> tuple[list[str], list[int | None]]:
-    """The texts and output sizes of a BatchEmbedContentsRequest (REST and gRPC)."""
+    encoder = await pipeline.encoder_of(st, served, deadline, guard)
     texts, dims = [], []
     for i, r in enumerate(req.requests):
         where = f"requests[{i}]."
         if r.model and st.resolve(r.model, "gemini", version) is not served:
             raise invalid(f"{where}model: {r.model} differs from {outer}", param=f"{where}model")
         texts.append(_embed_text(r, where, served.id))
-        dims.append(_dimensions(r, where, dimensions))
-    return texts, dims
+        dims.append(_dimensions(r, where, encoder.dimensions))
+    vectors = await pipeline.embed(st, served, texts, deadline, guard)
+    return {"embeddings": [_embedding(vectors[i : i + 1], d) for i, d in enumerate(dims)]}
 
 
 @router.post("/models/{model}:embedContent", summary="Gemini embedContent")
 async def embed_content(model: str, request: Request, principal: Principal = Depends(authenticate)) -> Response:
-    st = state_of(request)
-    served = st.embedding(model, "gemini", api_version(request))
-    mark_model(request, served)
-    deadline = Deadline.from_request(request, st.config.server)
+    call = pipeline.http_call(request, model, "gemini", api_version(request), "embed", "embedContent")
     req = parse(await read_json(request), _types().EmbedContentRequest)
-    encoder = await guarded(request, st.encoder(served, deadline.remaining()), deadline)
-    text = _embed_text(req, "", served.id)
-    dims = _dimensions(req, "", encoder.dimensions)
-    vectors = await guarded(request, st.embed(served, [text], deadline.remaining()), deadline)
-    return JSONResponse({"embedding": {"values": _values(truncate(vectors, dims)[0])}})
+    return JSONResponse(await embed_content_result(call.state, call.model, req, call.deadline, call.guard))
 
 
 @router.post("/models/{model}:batchEmbedContents", summary="Gemini batchEmbedContents")
 async def batch_embed_contents(model: str, request: Request, principal: Principal = Depends(authenticate)) -> Response:
-    st = state_of(request)
-    served = st.embedding(model, "gemini", api_version(request), "batchEmbedContents")
-    mark_model(request, served)
-    deadline = Deadline.from_request(request, st.config.server)
+    version = api_version(request)
+    call = pipeline.http_call(request, model, "gemini", version, "embed", "batchEmbedContents")
     req = parse(await read_json(request), _types().BatchEmbedContentsRequest)
-    check_batch_size(st, req)
-    encoder = await guarded(request, st.encoder(served, deadline.remaining()), deadline)
-    texts, dims = batch_embed_inputs(st, served, req, encoder.dimensions, api_version(request), f"the model in the URL (models/{model})")
-    vectors = await guarded(request, st.embed(served, texts, deadline.remaining()), deadline)
-    return JSONResponse({"embeddings": [{"values": _values(truncate(vectors[i : i + 1], d)[0])} for i, d in enumerate(dims)]})
+    outer = f"the model in the URL (models/{model})"
+    return JSONResponse(await batch_embed_result(call.state, call.model, req, call.deadline, call.guard, version, outer))
 
 
 @router.get("/tunedModels", summary="Gemini tunedModels.list (gemel serves none)")

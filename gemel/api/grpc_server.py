@@ -1,4 +1,4 @@
-"""Gemini gRPC surface (SPEC F31): ``google.ai.generativelanguage.v1beta.GenerativeService``.
+"""Gemini gRPC surface: ``google.ai.generativelanguage.v1beta.GenerativeService``.
 
 A ``grpc.aio`` server on the same event loop as the REST app, started by ``gemel serve``
 (``grpc`` section of the config; ``--grpc-port``, ``--no-grpc``). It serves GenerateContent,
@@ -8,8 +8,8 @@ official ``google-ai-generativelanguage`` proto-plus types' ``deserialize``; res
 the same types' ``serialize``. No servicer classes are generated and no ``.proto`` is copied.
 
 Everything behind the wire format is shared with the REST surface: the engines and the
-request code of ``gemel.api.gemini`` (``GenerateJob``, ``ResponseBuilder``, countTokens and
-embedding helpers), the gateway (API key in ``x-goog-api-key`` metadata or a signature in
+request path of ``gemel.api.pipeline`` and the request and response code of ``gemel.api.gemini``
+(``generation_request``, ``ResponseBuilder``, countTokens and embeddings), the gateway (API key in ``x-goog-api-key`` metadata or a signature in
 ``x-llm-signature`` over the serialized request; tenants' limits, admission), deadlines,
 metrics and traces.
 
@@ -36,9 +36,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2, json_format
@@ -47,26 +47,22 @@ from google.rpc import error_details_pb2, status_pb2
 
 from gemel.api.errors import GOOGLE_STATUS, APIError, as_api_error, gemini_error, invalid
 from gemel.api.gemini import (
-    GenerateJob,
-    _dimensions,
-    _embed_text,
-    _values,
-    batch_embed_inputs,
-    check_batch_size,
+    batch_embed_result,
     count_tokens_result,
+    embed_content_result,
+    generation_request,
+    response_builder,
 )
 from gemel.api.grpc_service import SERVICE_NAME, Method, methods, service_pool
 from gemel.api.lifecycle import Deadline
 from gemel.api.middleware import child_traceparent
+from gemel.api.pipeline import Generation, Guard, ModelKind, deadline_guard, finish, resolve, start_generation
 from gemel.api.state import ServedModel, ServerState
 from gemel.config import GrpcConfig
-from gemel.embeddings.vectors import truncate
-from gemel.engine.output_processor import RequestOutput
 from gemel.gateway.principal import Principal
 
 log = logging.getLogger("gemel.grpc")
 
-T = TypeVar("T")
 API_VERSION = "v1beta"
 SHUTDOWN_GRACE_S = 5.0
 DEADLINE_MARGIN_S = 0.05
@@ -141,7 +137,6 @@ class Call:
         self.model: ServedModel | None = None
         self.admission = None
         self.initial_sent = False
-        self.progress = ""  # what the engine had done when a deadline passed
         self._span = None
         self._token = None
         self.traceparent = self._begin_span()
@@ -197,7 +192,7 @@ class Call:
         return type(msg).pb(msg)
 
     async def serve_model(self, model: ServedModel) -> None:
-        """Name the model serving the call; sends the initial metadata (SPEC F34's headers)."""
+        """Name the model serving the call; sends the initial metadata (the x-model-id headers)."""
         self.model = model
         await self.send_initial()
 
@@ -266,10 +261,6 @@ class GrpcSurface:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     def api_error(self, exc: BaseException, deadline: Deadline, progress: str = "") -> APIError:
-        from gemel.gateway.gateway import Refusal
-
-        if isinstance(exc, Refusal):
-            return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
         if isinstance(exc, TimeoutError):
             return deadline.exceeded(progress)
         return as_api_error(exc)
@@ -296,10 +287,6 @@ class GrpcSurface:
             admission, call.admission = call.admission, None
             await self.gateway.release(admission)
 
-    async def within(self, call: Call, work: Awaitable[T]) -> T:
-        """Await ``work`` under the call's deadline (TimeoutError -> DEADLINE_EXCEEDED)."""
-        return await asyncio.wait_for(work, max(0.0, call.deadline.remaining()))
-
     async def _unary(self, method: str, raw: bytes, context: grpc.aio.ServicerContext, body: Callable) -> Any:
         call = Call(self, context, method)
         try:
@@ -308,58 +295,52 @@ class GrpcSurface:
             call.cancelled()
             raise
         except Exception as e:
-            await call.fail(e, call.progress)
+            await call.fail(e)
         finally:
             await self.release(call)
         call.succeed()
         return result
 
     # -- generation -------------------------------------------------------------------------
-    async def _start_generation(self, call: Call, raw: bytes, method: str) -> tuple[GenerateJob, AsyncIterator[RequestOutput]]:
+    async def _served(self, call: Call, raw: bytes, method: str, kind: ModelKind) -> tuple[Principal, Any, ServedModel]:
+        """Authenticate the call, parse its request and resolve its model (named in the
+        initial metadata from here on)."""
         principal = await self.authenticate(call, raw)
         req = call.parse(_method(method), raw)
-        model = self.state.generative(_model_name(req), "gemini", API_VERSION, _lower(method))
+        model = resolve(self.state, _model_name(req), "gemini", API_VERSION, kind, _lower(method))
         await call.serve_model(model)
-        job = GenerateJob(self.state, model, req, call.deadline)
-        await self.within(call, job.wait_ready())
-        stream = await job.launch(principal)
-        return job, stream
+        return principal, req, model
+
+    async def _start_generation(self, call: Call, raw: bytes, method: str) -> tuple[Generation, Guard]:
+        principal, req, model = await self._served(call, raw, method, "generate")
+        guard = deadline_guard(call.deadline)
+        gen = await start_generation(self.state, generation_request(model, req, call.deadline), principal, guard)
+        return gen, guard
 
     async def generate_content(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def body(call: Call, raw: bytes):
-            job, stream = await self._start_generation(call, raw, "GenerateContent")
-            last: RequestOutput | None = None
-            try:
-                async for out in stream:
-                    last = out
-            except TimeoutError:
-                call.progress = _progress(last)
-                raise
-            finally:
-                await stream.aclose()
-            if last is None:
-                raise RuntimeError("the engine stream ended without output")
-            return _response(job.builder.unary(last))
+            gen, guard = await self._start_generation(call, raw, "GenerateContent")
+            (out,) = await finish(gen, guard)
+            return _response(response_builder(gen).unary(out))
 
         return await self._unary("GenerateContent", raw, context, body)
 
     async def stream_generate_content(self, raw: bytes, context: grpc.aio.ServicerContext):
         call = Call(self, context, "StreamGenerateContent")
-        stream: AsyncIterator[RequestOutput] | None = None
-        last: RequestOutput | None = None
+        gen: Generation | None = None
+        outputs = None
         try:
-            job, stream = await self._start_generation(call, raw, "StreamGenerateContent")
+            gen, _ = await self._start_generation(call, raw, "StreamGenerateContent")
+            builder = response_builder(gen)
+            outputs = gen.outputs()
             sent = 0
-            async for out in stream:
-                last = out
-                chunk = job.builder.chunk(out)
+            async for _, out in outputs:
+                chunk = builder.chunk(out)
                 if chunk is None and out.finished and sent == 0:
-                    chunk = job.builder.unary(out)
+                    chunk = builder.unary(out)
                 if chunk is not None:
                     yield _response(chunk)
                     sent += 1
-            if last is None:
-                raise RuntimeError("the engine stream ended without output")
         except asyncio.CancelledError:
             call.cancelled()
             raise
@@ -367,57 +348,36 @@ class GrpcSurface:
             call.cancelled()
             raise
         except Exception as e:
-            await call.fail(e, _progress(last) if isinstance(e, TimeoutError) else "")
+            await call.fail(e, gen.progress() if gen is not None and isinstance(e, TimeoutError) else "")
         finally:
-            if stream is not None:
-                await stream.aclose()
+            if outputs is not None:
+                await outputs.aclose()
             await self.release(call)
         call.succeed()
 
     # -- tokens and embeddings ----------------------------------------------------------------
-    async def count_tokens(self, raw: bytes, context: grpc.aio.ServicerContext):
-        async def body(call: Call, raw: bytes):
-            await self.authenticate(call, raw)
-            req = call.parse(_method("CountTokens"), raw)
-            served = self.state.resolve(_model_name(req), "gemini", API_VERSION)
-            await call.serve_model(served)
-            if served.engine is not None and served.engine.tokenizer is None:
-                ready_s = min(call.deadline.remaining(), self.state.config.server.engine_ready_timeout_s)
-                await self.within(call, served.engine.wait_ready(ready_s))
-            return _message("CountTokens", await self.within(call, count_tokens_result(self.state, served, req)))
+    async def _answer(self, method: str, kind: ModelKind, raw: bytes, context: grpc.aio.ServicerContext, result: Callable):
+        """A unary call answered by ``result(state, model, request, deadline, guard)`` (the
+        REST surface's JSON, which becomes the method's response message)."""
 
-        return await self._unary("CountTokens", raw, context, body)
+        async def body(call: Call, raw: bytes):
+            _, req, served = await self._served(call, raw, method, kind)
+            return _message(method, await result(self.state, served, req, call.deadline, deadline_guard(call.deadline)))
+
+        return await self._unary(method, raw, context, body)
+
+    async def count_tokens(self, raw: bytes, context: grpc.aio.ServicerContext):
+        return await self._answer("CountTokens", "any", raw, context, count_tokens_result)
 
     async def embed_content(self, raw: bytes, context: grpc.aio.ServicerContext):
-        async def body(call: Call, raw: bytes):
-            await self.authenticate(call, raw)
-            req = call.parse(_method("EmbedContent"), raw)
-            served = self.state.embedding(_model_name(req), "gemini", API_VERSION)
-            await call.serve_model(served)
-            encoder = await self.within(call, self.state.encoder(served, call.deadline.remaining()))
-            text = _embed_text(req, "", served.id)
-            dims = _dimensions(req, "", encoder.dimensions)
-            vectors = await self.within(call, self.state.embed(served, [text], call.deadline.remaining()))
-            return _message("EmbedContent", {"embedding": {"values": _values(truncate(vectors, dims)[0])}})
-
-        return await self._unary("EmbedContent", raw, context, body)
+        return await self._answer("EmbedContent", "embed", raw, context, embed_content_result)
 
     async def batch_embed_contents(self, raw: bytes, context: grpc.aio.ServicerContext):
-        async def body(call: Call, raw: bytes):
-            await self.authenticate(call, raw)
-            req = call.parse(_method("BatchEmbedContents"), raw)
-            name = _model_name(req)
-            served = self.state.embedding(name, "gemini", API_VERSION, "batchEmbedContents")
-            await call.serve_model(served)
-            check_batch_size(self.state, req)
-            encoder = await self.within(call, self.state.encoder(served, call.deadline.remaining()))
-            outer = f"the request's model ({name})"
-            texts, dims = batch_embed_inputs(self.state, served, req, encoder.dimensions, API_VERSION, outer)
-            vectors = await self.within(call, self.state.embed(served, texts, call.deadline.remaining()))
-            embeddings = [{"values": _values(truncate(vectors[i : i + 1], d)[0])} for i, d in enumerate(dims)]
-            return _message("BatchEmbedContents", {"embeddings": embeddings})
+        def result(state: ServerState, served: ServedModel, req, deadline: Deadline, guard: Guard):
+            outer = f"the request's model ({req.model})"
+            return batch_embed_result(state, served, req, deadline, guard, API_VERSION, outer)
 
-        return await self._unary("BatchEmbedContents", raw, context, body)
+        return await self._answer("BatchEmbedContents", "embed", raw, context, result)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -435,13 +395,6 @@ def _model_name(req) -> str:
     return req.model
 
 
-def _progress(out: RequestOutput | None) -> str:
-    if out is None:
-        return "before the first token"
-    n = sum(len(c.token_ids) for c in out.outputs)
-    return f"after {n} generated token{'s' if n != 1 else ''}"
-
-
 def _message(method: str, body: dict):
     """A response dict (the REST JSON) -> the method's response protobuf."""
     return json_format.ParseDict(body, _method(method).response.pb()(), ignore_unknown_fields=True)
@@ -457,7 +410,7 @@ def _address(host: str, port: int) -> str:
 
 
 def server_credentials(cfg: GrpcConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials from the configured PEM files (SPEC F75), or None for plaintext."""
+    """TLS credentials from the configured PEM files , or None for plaintext."""
     if not cfg.tls_cert_file:
         return None
     cert = Path(cfg.tls_cert_file).read_bytes()

@@ -1,4 +1,4 @@
-"""Request inputs -> chat messages for the model's template (SPEC F36, text models).
+"""Request inputs -> chat messages for the model's template (text models).
 
 Both surfaces end here: Gemini ``contents`` / ``systemInstruction`` and OpenAI ``messages``
 become ``[{"role": "system"|"user"|"assistant", "content": str}]``. Media parts are checked
@@ -14,7 +14,6 @@ import re
 from typing import Any
 
 from gemel.api.errors import invalid
-from gemel.sampling_params import SamplingParams
 
 _B64 = re.compile(r"^[A-Za-z0-9+/_-]*={0,2}$")
 _MIME = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*$")
@@ -49,18 +48,6 @@ def _inline_text(mime: str, data: bytes, where: str, model_id: str) -> str:
         f"{where}: model {model_id} takes text only; {kind} input ({mime}) is not supported",
         param=where,
     )
-
-
-def build_params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
-    """SamplingParams, with a validation error renamed to the surface's field name."""
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        message = str(e)
-        for internal, public in names.items():
-            if message.startswith(internal):
-                raise invalid(public + message[len(internal):], param=public.split(" ")[0]) from None
-        raise invalid(message) from None
 
 
 # -- Gemini ------------------------------------------------------------------------------

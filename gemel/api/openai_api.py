@@ -1,4 +1,4 @@
-"""OpenAI-compatible surface (SPEC F32): chat completions, completions, embeddings.
+"""OpenAI-compatible surface: chat completions, completions, embeddings.
 
 Bodies are pydantic models (so the OpenAPI document describes them); unknown fields are
 accepted as OpenAI's SDK adds new ones often, but fields that would change the answer and
@@ -9,7 +9,6 @@ min_tokens) are read from the top level, where ``extra_body`` puts them.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -20,28 +19,21 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from gemel.api.auth import Principal, authenticate
-from gemel.api.errors import as_api_error, invalid, openai_error
-from gemel.api.inputs import build_params, openai_messages
+from gemel.api.errors import APIError, invalid, openai_error
+from gemel.api.inputs import openai_messages
+from gemel.api.params import make_params, plain_knobs
+from gemel.api import pipeline
+from gemel.api.pipeline import Generation, GenerationRequest, Prompter, PromptInput
+from gemel.api.state import ServedModel, state_of
 from gemel.api.structured import openai_spec
-from gemel.api.lifecycle import Collector, Deadline, collect, first_output, guarded
-from gemel.api.state import ServedModel, mark_model, state_of
 from gemel.embeddings.vectors import truncate
 from gemel.engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
 from gemel.sampling_params import SamplingParams
 
 router = APIRouter(tags=["openai"])
-
-OPENAI_NAMES = {
-    "n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty", "max_tokens": "max_tokens", "min_tokens": "min_tokens",
-    "logprobs": "logprobs", "priority": "priority", "stop strings": "stop", "at most 16 stop strings": "stop",
-    "seed": "seed",
-}
-
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -117,28 +109,22 @@ def _refuse(body: BaseModel) -> None:
             raise invalid("best_of must equal n when given", param="best_of")
 
 
-def _params(body: SamplingFields, model: ServedModel, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(body: SamplingFields, model: ServedModel, max_tokens: int | None, logprobs: int | None, sent_as: dict[str, str]) -> SamplingParams:
     if max_tokens is not None and max_tokens > model.max_output_tokens:
-        raise invalid(
-            f"max_tokens: {max_tokens} is more than model {model.id}'s limit of {model.max_output_tokens}",
-            param="max_tokens",
-        )
+        name = sent_as.get("max_tokens", "max_tokens")
+        raise invalid(f"{name}: {max_tokens} is more than model {model.id}'s limit of {model.max_output_tokens}", param=name)
     kwargs: dict = {
-        "n": body.n,
         "max_tokens": model.max_output_tokens if max_tokens is None else max_tokens,
         "stop": [body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        "seed": body.seed,
-        "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
     }
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                 "repetition_penalty", "min_tokens", "priority"):
-        value = getattr(body, name)
+    for field, name in plain_knobs("openai"):
+        value = getattr(body, field)
         if value is not None:
             kwargs[name] = value
     if kwargs.get("temperature", 1.0) > 2.0:
         raise invalid("temperature must be between 0 and 2", param="temperature")
-    return build_params(kwargs, OPENAI_NAMES)
+    return make_params(kwargs, "openai", sent_as)
 
 
 def _logprobs_count(body: ChatCompletionRequest) -> int | None:
@@ -225,159 +211,85 @@ def _sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-# -- shared generation path -----------------------------------------------------------
-class Prompt:
-    def __init__(self, text: str | None, ids: list[int]):
-        self.text = text
-        self.ids = ids
-
-
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come, tagged with the request's position."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in s:
-                queue.put_nowait((i, out))
-        except Exception as e:  # re-raised in the consumer
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:  # cancelling a pump closes its stream, which aborts the request in the engine
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _gather_or_cancel(*aws):
-    """gather(), but the first failure cancels (and so aborts) the others."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
+# -- the generation answer --------------------------------------------------------------
 async def _generate(
     request: Request,
     body: SamplingFields,
     kind: Literal["chat", "text"],
-    prompts_of,  # (tokenizer) -> list[Prompt]
+    prompts: Prompter,
     max_tokens: int | None,
     logprobs: int | None,
+    principal: Principal,
     echo: bool = False,
-    principal: Principal | None = None,
+    sent_as: dict[str, str] | None = None,
 ) -> Response:
-    st = state_of(request)
-    model = st.generative(body.model, "openai", method="chat completions" if kind == "chat" else "completions")
-    mark_model(request, model)
+    call = pipeline.http_call(request, body.model, "openai", kind="generate", method="chat completions" if kind == "chat" else "completions")
     _refuse(body)
-    deadline = Deadline.from_request(request, st.config.server)
-    params = _params(body, model, max_tokens, logprobs)
+    params = _params(body, call.model, max_tokens, logprobs, sent_as or {})
     if kind == "chat":
         structured = openai_spec(body.response_format)
         if structured is not None:
             params = replace(params, structured_output=structured)
-    engine = model.engine
-    await guarded(request, engine.wait_ready(min(deadline.remaining(), st.config.server.engine_ready_timeout_s)), deadline)
-    prompts: list[Prompt] = prompts_of(engine.tokenizer, model)
-    fmt = Formatter(kind, body.model, engine.tokenizer, logprobs)
-    n = params.n
-    principal = principal or Principal()
-    prompt_tokens = sum(len(p.ids) for p in prompts)
-    # the gateway (F42, F43): class queue bound and tokens/min reservation, then the tenant's
-    # class as the engine priority (F14; a tenant may only lower it) and its engine quota (F15)
-    params.priority = principal.priority_for(body.priority)
-    await principal.admit_generation(prompt_tokens, params.max_tokens * n * len(prompts))
-    streams = [
-        principal.meter(
-            engine.generate(uuid.uuid4().hex, p.text, p.ids, params, principal.tenant, deadline.at, quota=principal.quota), i
-        )
-        for i, p in enumerate(prompts)
-    ]
-
+    req = GenerationRequest(call.model, params, call.deadline, prompts, priority=body.priority)
+    gen = await pipeline.start_generation(call.state, req, principal, call.guard)
+    fmt = Formatter(kind, body.model, call.model.engine.tokenizer, logprobs)
     if not body.stream:
-        if len(streams) == 1:
-            outs = [await collect(request, streams[0], deadline)]
-        else:
-            runs = (Collector().run(s) for s in streams)
-            outs = await guarded(request, _gather_or_cancel(*runs), deadline)
-        choices, completion_tokens, cached = [], 0, 0
-        for pi, out in enumerate(outs):
-            cached += out.num_cached_tokens
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                text = (prompts[pi].text or "") + c.text if echo else c.text
-                choices.append(fmt.choice(c, pi * n + c.index, text, c.logprobs, delta=False))
-        return JSONResponse(fmt.envelope(choices, fmt.usage(prompt_tokens, completion_tokens, cached), chunk=False))
-
+        return JSONResponse(_unary(fmt, gen, await pipeline.finish(gen, call.guard), echo))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    merged = _merged(streams)
-    first = await guarded(request, first_output(merged), deadline)  # early errors keep their status
+    items = await pipeline.relay(gen, call.guard)
+    return pipeline.stream_response(_events(fmt, gen, items, include_usage, echo))
 
-    async def events() -> AsyncIterator[str]:
-        generated: dict[int, int] = {}
-        cached: dict[int, int] = {}
-        started: set[int] = set()
-        try:
-            item = first
-            while True:
-                pi, out = item
-                cached[pi] = out.num_cached_tokens
-                choices = []
-                for c in out.outputs:
-                    index = pi * n + c.index
-                    generated[index] = len(c.token_ids)
-                    is_first = index not in started
-                    if kind == "chat" and is_first:
-                        started.add(index)
+
+def _unary(fmt: Formatter, gen: Generation, outs: list[RequestOutput], echo: bool) -> dict:
+    n = gen.request.params.n
+    choices, completion_tokens, cached = [], 0, 0
+    for pi, out in enumerate(outs):
+        cached += out.num_cached_tokens
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            text = (gen.prompts[pi].text or "") + c.text if echo else c.text
+            choices.append(fmt.choice(c, pi * n + c.index, text, c.logprobs, delta=False))
+    return fmt.envelope(choices, fmt.usage(gen.prompt_tokens, completion_tokens, cached), chunk=False)
+
+
+async def _events(fmt: Formatter, gen: Generation, items, include_usage: bool, echo: bool) -> AsyncIterator[str]:
+    """The SSE events of a streamed answer: each choice opens (chat: a role delta; text with
+    echo: the prompt), then its deltas; usage last when asked for, then ``[DONE]``."""
+    n = gen.request.params.n
+    generated: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    started: set[int] = set()
+    try:
+        async for item in items:
+            if isinstance(item, APIError):  # headers are sent: report in-band, as OpenAI does
+                yield _sse(openai_error(item))
+                break
+            pi, out = item
+            cached[pi] = out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                index = pi * n + c.index
+                generated[index] = len(c.token_ids)
+                if index not in started:
+                    started.add(index)
+                    if fmt.kind == "chat":
                         opening = fmt.choice(_blank(c), index, "", None, delta=True, first=True)
                         yield _sse(fmt.envelope([opening], None, chunk=True, usage_null=include_usage))
-                    elif kind == "text" and is_first:
-                        started.add(index)
-                        if echo and prompts[pi].text:
-                            choices.append(fmt.choice(_blank(c), index, prompts[pi].text, None, True))
-                    if c.delta_text or c.finish_reason is not None:
-                        lps = c.delta_logprobs if logprobs is not None else None
-                        choices.append(fmt.choice(c, index, c.delta_text, lps, delta=True))
-                if choices:
-                    yield _sse(fmt.envelope(choices, None, chunk=True, usage_null=include_usage))
-                item = await merged.__anext__()
-        except StopAsyncIteration:
-            pass
-        except Exception as e:  # headers are sent: report in-band, as OpenAI does
-            err = deadline.exceeded("mid-stream") if isinstance(e, TimeoutError) else as_api_error(e)
-            yield _sse(openai_error(err))
-        finally:
-            await merged.aclose()
-        if include_usage:
-            yield _sse(fmt.envelope([], fmt.usage(prompt_tokens, sum(generated.values()), sum(cached.values())), chunk=True))
-        yield _sse("[DONE]")
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                    elif echo and gen.prompts[pi].text:
+                        choices.append(fmt.choice(_blank(c), index, gen.prompts[pi].text, None, True))
+                if c.delta_text or c.finish_reason is not None:
+                    lps = c.delta_logprobs if fmt.top_logprobs is not None else None
+                    choices.append(fmt.choice(c, index, c.delta_text, lps, delta=True))
+            if choices:
+                yield _sse(fmt.envelope(choices, None, chunk=True, usage_null=include_usage))
+    finally:
+        await items.aclose()
+    if include_usage:
+        yield _sse(fmt.envelope([], fmt.usage(gen.prompt_tokens, sum(generated.values()), sum(cached.values())), chunk=True))
+    yield _sse("[DONE]")
 
 
 def _blank(c: CompletionOutput) -> CompletionOutput:
-    from dataclasses import replace
-
     return replace(c, finish_reason=None)
 
 
@@ -389,12 +301,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, princi
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise invalid(f"{name} must be a positive integer (got {max_tokens})", param=name)
 
-    def prompts(tokenizer, model: ServedModel) -> list[Prompt]:
-        messages = openai_messages(body.messages, model.id)
-        return [Prompt(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                       tokenizer.encode_chat(messages, add_generation_prompt=True))]
-
-    return await _generate(request, body, "chat", prompts, max_tokens, _logprobs_count(body), principal=principal)
+    sent_as = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+    sent_as["logprobs"] = "top_logprobs"
+    prompts = pipeline.chat_prompt(openai_messages(body.messages, state_of(request).resolve(body.model, "openai").id))
+    return await _generate(request, body, "chat", prompts, max_tokens, _logprobs_count(body), principal, sent_as=sent_as)
 
 
 @router.post("/v1/completions", summary="OpenAI completions")
@@ -406,7 +316,7 @@ async def completions(body: CompletionRequest, request: Request, principal: Prin
     if body.echo and body.logprobs is not None:
         raise invalid("echo with logprobs is not supported", param="echo")
 
-    def prompts(tokenizer, model: ServedModel) -> list[Prompt]:
+    def prompts(tokenizer) -> list[PromptInput]:
         raw = body.prompt
         if isinstance(raw, str):
             raw = [raw]
@@ -419,24 +329,21 @@ async def completions(body: CompletionRequest, request: Request, principal: Prin
             if isinstance(p, str):
                 if not p:
                     raise invalid(f"prompt[{i}] must not be empty", param="prompt")
-                out.append(Prompt(p, tokenizer.encode(p)))
+                out.append(PromptInput(p, tokenizer.encode(p)))
             else:
                 if not p or any(t < 0 or t >= tokenizer.vocab_size for t in p):
                     raise invalid(f"prompt[{i}]: token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-                out.append(Prompt(tokenizer.decode(p), list(p)))
+                out.append(PromptInput(tokenizer.decode(p), list(p)))
         if len(out) * body.n > 64:
             raise invalid("at most 64 choices (prompts x n) per request", param="prompt")
         return out
 
-    return await _generate(request, body, "text", prompts, body.max_tokens, body.logprobs, echo=body.echo, principal=principal)
+    return await _generate(request, body, "text", prompts, body.max_tokens, body.logprobs, principal, echo=body.echo)
 
 
 @router.post("/v1/embeddings", summary="OpenAI embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, principal: Principal = Depends(authenticate)) -> Response:
-    st = state_of(request)
-    model = st.embedding(body.model, "openai", method="embeddings")
-    mark_model(request, model)
-    deadline = Deadline.from_request(request, st.config.server)
+    call = pipeline.http_call(request, body.model, "openai", kind="embed", method="embeddings")
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise invalid("input must not be empty", param="input")
@@ -444,13 +351,13 @@ async def embeddings(body: EmbeddingRequest, request: Request, principal: Princi
         raise invalid("input: token-id inputs are not supported for this model; send strings", param="input")
     if any(not t for t in texts):
         raise invalid("input: strings must not be empty", param="input")
-    limit = st.config.embeddings.max_batch if st.config.embeddings else 100
+    limit = call.state.config.embeddings.max_batch if call.state.config.embeddings else 100
     if len(texts) > limit:
         raise invalid(f"input: at most {limit} inputs per request (got {len(texts)})", param="input")
-    encoder = await guarded(request, st.encoder(model, deadline.remaining()), deadline)
+    encoder = await pipeline.encoder_of(call.state, call.model, call.deadline, call.guard)
     if body.dimensions is not None and not 1 <= body.dimensions <= encoder.dimensions:
         raise invalid(f"dimensions must be between 1 and {encoder.dimensions}", param="dimensions")
-    vectors = await guarded(request, st.embed(model, texts, deadline.remaining()), deadline)
+    vectors = await pipeline.embed(call.state, call.model, texts, call.deadline, call.guard)
     vectors = truncate(vectors, body.dimensions).numpy().astype("<f4")
     data = []
     for i, v in enumerate(vectors):

@@ -1,4 +1,4 @@
-"""What one ``gemel serve`` process serves: the model catalogue and its engines (SPEC F5).
+"""What one ``gemel serve`` process serves: the model catalogue and its engines.
 
 Hangs off ``app.state.gemel``; no module-level globals, so tests may build several apps.
 """
@@ -15,7 +15,7 @@ from typing import Literal
 from starlette.requests import Request
 
 from gemel.api.errors import APIError
-from gemel.config import EngineConfig, GemelConfig
+from gemel.config import GemelConfig
 from gemel.engine.async_llm import AsyncLLM, EngineNotReadyError
 from gemel.loader import sources
 
@@ -62,9 +62,24 @@ def state_of(request: Request) -> ServerState:
 
 
 def mark_model(request: Request, model: ServedModel) -> None:
-    """Name the model that served this request in the response headers (SPEC F34)."""
+    """Name the model that served this request in the response headers (x-model-id, x-model-version)."""
     request.state.model_id = model.id
     request.state.model_version = model.version
+
+
+def _served_model(entry, kind: Literal["generate", "embed"], description: str, max_output_tokens: int, engine: AsyncLLM | None = None) -> ServedModel:
+    """The catalogue entry of a configured model (``ModelEntry`` or ``EmbeddingsConfig``)."""
+    return ServedModel(
+        id=entry.id,
+        kind=kind,
+        version=entry.version,
+        aliases=list(entry.aliases),
+        display_name=entry.display_name or entry.id,
+        description=description,
+        max_output_tokens=max_output_tokens,
+        source=entry.source,
+        engine=engine,
+    )
 
 
 class ServerState:
@@ -74,39 +89,18 @@ class ServerState:
         self.models: list[ServedModel] = []
         for entry in config.models:
             sources.resolve(entry.source)  # fail at start-up, with the install hint, not per request
-            self.models.append(
-                ServedModel(
-                    id=entry.id,
-                    kind="generate",
-                    version=entry.version,
-                    aliases=list(entry.aliases),
-                    display_name=entry.display_name or entry.id,
-                    description=entry.description or f"{entry.id} served by gemel",
-                    max_output_tokens=entry.max_output_tokens,
-                    source=entry.source,
-                    engine=AsyncLLM(
-                        config.engine_config(entry),  # unset CPU threads adapt (gemel.engine.threads)
-                        stats_interval_s=config.server.stats_interval_s,
-                        log_level=config.server.log_level,
-                    ),
-                )
+            engine = AsyncLLM(
+                config.engine_config(entry),  # unset CPU threads adapt (gemel.engine.threads)
+                stats_interval_s=config.server.stats_interval_s,
+                log_level=config.server.log_level,
             )
+            description = entry.description or f"{entry.id} served by gemel"
+            self.models.append(_served_model(entry, "generate", description, entry.max_output_tokens, engine))
         emb = config.embeddings
         if emb is not None:
             try:
                 sources.resolve(emb.source)
-                self.models.append(
-                    ServedModel(
-                        id=emb.id,
-                        kind="embed",
-                        version=emb.version,
-                        aliases=list(emb.aliases),
-                        display_name=emb.display_name or emb.id,
-                        description=f"{emb.id} sentence embeddings served by gemel",
-                        max_output_tokens=1,
-                        source=emb.source,
-                    )
-                )
+                self.models.append(_served_model(emb, "embed", f"{emb.id} sentence embeddings served by gemel", 1))
             except sources.ModelNotFound as e:
                 log.warning("no embedding model: %s", e)
         self.by_name: dict[str, ServedModel] = {}

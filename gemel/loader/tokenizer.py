@@ -330,7 +330,11 @@ class Tokenizer:
         templates without BOS on models with add_bos=False this equals transformers'
         ``apply_chat_template(tokenize=True)``.
         """
-        prompt = self.apply_chat_template(messages, add_generation_prompt, tools, **template_vars)
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, tools, **template_vars))
+
+    def encode_rendered(self, prompt: str) -> list[int]:
+        """Token ids of a conversation ``apply_chat_template`` rendered already (so a caller
+        that needs both the text and the ids renders the template once)."""
         bos = self.bos_token
         starts_with_bos = bool(bos) and prompt.startswith(bos)
         return self.encode(prompt, add_special_tokens=not starts_with_bos)

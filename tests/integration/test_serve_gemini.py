@@ -272,6 +272,14 @@ def test_raw_bad_inputs(server):
     assert "contents" in _google_error(_post(server, path, {"contents": []}), 400)["message"]
     err = _google_error(_post(server, path, {"contents": [{"parts": [{"text": "hi"}]}], "generationConfig": {"temperature": "hot"}}), 400)
     assert "temperature" in err["message"]
+    for config, field in (
+        ({"topP": 0}, "generationConfig.topP"), ({"candidateCount": 99}, "generationConfig.candidateCount"),
+        ({"stopSequences": ["a"] * 17}, "generationConfig.stopSequences"), ({"presencePenalty": 9}, "generationConfig.presencePenalty"),
+    ):
+        err = _google_error(_post(server, path, {"contents": [{"parts": [{"text": "hi"}]}], "generationConfig": config}), 400)
+        assert err["message"].startswith(field + " ")
+        violations = [v for d in err["details"] if d["@type"].endswith("BadRequest") for v in d["fieldViolations"]]
+        assert violations == [{"field": field, "description": err["message"]}]
     err = _google_error(_post(server, path, {"contents": "not a list"}), 400)
     assert "contents" in err["message"]
     bad_b64 = {"contents": [{"parts": [{"inlineData": {"mimeType": "image/png", "data": "!!!not base64!!!"}}]}]}

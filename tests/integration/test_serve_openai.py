@@ -174,5 +174,13 @@ def test_errors(openai_client, server):
     assert r.status_code == 400
     with pytest.raises(openai.BadRequestError):
         openai_client.embeddings.create(model=MODEL, input="hi")
+    # a bad decoding knob names the field as the caller sent it
+    for extra, param in (
+        ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"presence_penalty": 5}, "presence_penalty"), ({"extra_body": {"min_p": 3}}, "min_p"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            openai_client.chat.completions.create(model=MODEL, messages=MSGS, **extra)
+        assert e.value.body["param"] == param and e.value.body["message"].startswith(param + " ")
     # still serving
     assert openai_client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).choices[0].message.content is not None

@@ -97,3 +97,60 @@ def test_traceparent_continues_trace():
     tp = child_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
     assert tp.startswith("00-0af7651916cd43dd8448eb211c80319c-") and not tp.endswith("b7ad6b7169203331-01")
     assert len(child_traceparent(None).split("-")[1]) == 32
+
+
+# -- decoding knobs: one table, errors that carry their field ---------------------------------
+BAD_VALUES = {
+    "n": 0, "temperature": -1.0, "top_p": 0.0, "top_k": 1.5, "min_p": 2.0, "presence_penalty": 3.0,
+    "frequency_penalty": -3.0, "repetition_penalty": 0.0, "seed": 1.5, "max_tokens": 0, "min_tokens": -1,
+    "stop": [""], "logprobs": 21, "priority": 7,
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_VALUES))
+def test_sampling_param_error_names_its_field(field):
+    from gemel.sampling_params import SamplingParamError, SamplingParams
+
+    with pytest.raises(SamplingParamError) as info:
+        SamplingParams(**{field: BAD_VALUES[field]})
+    assert info.value.field == field
+    assert str(info.value).startswith(field + " ")  # a plain ValueError still reads well offline
+
+
+@pytest.mark.parametrize("field", sorted(BAD_VALUES))
+def test_each_surface_names_a_bad_knob_its_own_way(field):
+    from gemel.api.params import KNOBS, make_params
+
+    knob = next(k for k in KNOBS if k.name == field)
+    for surface, expected in (("openai", knob.openai), ("gemini", knob.gemini)):
+        with pytest.raises(APIError) as info:
+            make_params({field: BAD_VALUES[field]}, surface)
+        err = info.value
+        assert err.status == 400
+        if surface == "gemini" and expected:
+            head, *rest = expected.split("_")
+            expected = "generationConfig." + head + "".join(w.title() for w in rest)
+        assert err.param == (expected or field)
+        assert err.message.startswith(err.param + " ")
+
+
+def test_a_knob_sent_under_another_name_is_named_so():
+    from gemel.api.params import make_params
+
+    with pytest.raises(APIError) as info:
+        make_params({"max_tokens": 0}, "openai", {"max_tokens": "max_completion_tokens"})
+    assert info.value.param == "max_completion_tokens" and "max_completion_tokens must be" in info.value.message
+
+
+def test_knob_table_covers_every_decoding_field():
+    """A SamplingParams field a client can set appears in the table, once."""
+    import dataclasses
+
+    from gemel.api.params import KNOBS
+    from gemel.sampling_params import SamplingParams
+
+    names = [k.name for k in KNOBS]
+    assert len(names) == len(set(names))
+    internal_only = {"stop_token_ids", "include_stop_str_in_output", "structured_output"}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - internal_only
+    assert set(names) == fields
