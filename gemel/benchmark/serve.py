@@ -68,7 +68,7 @@ class TokenizerLike(Protocol):
 
 
 @dataclass
-class Prompt:
+class BenchPrompt:
     prompt: str | list[int]  # completions prompt (text or token ids) or chat user message
     prompt_len: int  # tokens as the server will count them (chat: without the template)
     output_len: int
@@ -158,7 +158,7 @@ def random_dataset(
     chat: bool = False,
     range_ratio: float = 0.0,
     prefix_len: int = 0,
-) -> list[Prompt]:
+) -> list[BenchPrompt]:
     """Prompts of ``input_len`` tokens, each with a distinct first token, ``output_len`` tokens
     out; with ``range_ratio`` both lengths vary per request, and with ``prefix_len`` every
     prompt starts with the same ``prefix_len`` tokens (vllm's ``--random-prefix-len``)."""
@@ -179,9 +179,9 @@ def random_dataset(
             assert tokenizer is not None
             special = 0 if chat else _special_count(tokenizer)
             text, n = text_of_length(tokenizer, ids, n_in - special, rng, id_range)
-            prompts.append(Prompt(text, n + special, output_lens[i]))
+            prompts.append(BenchPrompt(text, n + special, output_lens[i]))
         else:
-            prompts.append(Prompt(ids, n_in, output_lens[i]))
+            prompts.append(BenchPrompt(ids, n_in, output_lens[i]))
     return prompts
 
 
@@ -196,7 +196,7 @@ def shared_prefix_dataset(
     vocab_size: int | None = None,
     chat: bool = False,
     firsts: Sequence[int] | None = None,
-) -> list[Prompt]:
+) -> list[BenchPrompt]:
     """``num_prompts`` requests sharing one ``prefix_len``-token system prompt, distinct suffixes
     (``suffix_len`` and ``output_len`` each one length for all, or one per request)."""
     rng = random.Random(seed)
@@ -208,7 +208,7 @@ def shared_prefix_dataset(
     firsts = list(firsts) if firsts is not None else _distinct_firsts(rng, num_prompts, id_range)
     suffixes = [[firsts[i]] + [rng.randrange(lo, hi) for _ in range(suffix_lens[i] - 1)] for i in range(num_prompts)]
     if not as_text:
-        return [Prompt(prefix + s, prefix_len + len(s), n_out) for s, n_out in zip(suffixes, output_lens)]
+        return [BenchPrompt(prefix + s, prefix_len + len(s), n_out) for s, n_out in zip(suffixes, output_lens)]
     assert tokenizer is not None
     special = 0 if chat else _special_count(tokenizer)
     prefix_text, _ = text_of_length(tokenizer, prefix, prefix_len - special, rng, id_range)
@@ -217,10 +217,10 @@ def shared_prefix_dataset(
         suffix_text, n = text_of_length(tokenizer, s, n_suffix, rng, id_range)
         if chat:
             n_prefix = len(tokenizer.encode(prefix_text, add_special_tokens=False))
-            prompts.append(Prompt(suffix_text, n_prefix + n, n_out, system=prefix_text))
+            prompts.append(BenchPrompt(suffix_text, n_prefix + n, n_out, system=prefix_text))
         else:
             text = prefix_text + "\n" + suffix_text
-            prompts.append(Prompt(text, len(tokenizer.encode(text, add_special_tokens=True)), n_out))
+            prompts.append(BenchPrompt(text, len(tokenizer.encode(text, add_special_tokens=True)), n_out))
     return prompts
 
 
@@ -241,7 +241,7 @@ class RequestResult:
     error: str = ""
 
 
-def build_payload(endpoint: str, model: str, p: Prompt, ignore_eos: bool, temperature: float,
+def build_payload(endpoint: str, model: str, p: BenchPrompt, ignore_eos: bool, temperature: float,
                   extra_body: dict | None = None) -> dict:
     payload: dict[str, Any] = {
         "model": model,
@@ -493,7 +493,7 @@ async def _discover_model(client: Any, base_url: str) -> str:
 
 
 async def run_benchmark(
-    prompts: Sequence[Prompt],
+    prompts: Sequence[BenchPrompt],
     base_url: str = "http://127.0.0.1:8000",
     endpoint: str = COMPLETIONS,
     model: str | None = None,
@@ -506,7 +506,7 @@ async def run_benchmark(
     ignore_eos: bool = True,
     temperature: float = 0.0,
     extra_body: dict | None = None,
-    warmup_prompts: Sequence[Prompt] = (),
+    warmup_prompts: Sequence[BenchPrompt] = (),
     timeout_s: float = 600.0,
     keep_alive: bool = False,
 ) -> tuple[dict[str, Any], list[RequestResult]]:
@@ -555,7 +555,7 @@ async def run_benchmark(
     return metrics, list(results)
 
 
-def make_prompts(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> tuple[list[Prompt], list[Prompt]]:
+def make_prompts(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> tuple[list[BenchPrompt], list[BenchPrompt]]:
     """The measured prompts and one warm-up prompt (never sharing a prefix with them)."""
     chat = args.endpoint == CHAT
     as_text = args.prompt_format == "text" or (args.prompt_format == "auto" and (tokenizer is not None or chat))

@@ -203,7 +203,7 @@ class AsyncLLM:
         """Stream a request's outputs (deltas merged if the consumer lags). Closing or
         cancelling the iterator before the end, or passing ``deadline`` (monotonic; raises
         TimeoutError), aborts the request in the engine. ``quota`` is the tenant's engine
-        quota (F15), from the gateway."""
+        quota, from the gateway."""
         self.check_alive()
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")

@@ -1,8 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, block tables, and the prefix cache.
 
 The KV tensors themselves live in the model runner; this module only decides which
-block ids a sequence owns. Full blocks are keyed by a hash chain of their tokens
-(SPEC F12): a new sequence whose leading blocks hash (and compare) equal reuses them.
+block ids a sequence owns. Full blocks are keyed by a hash chain of their tokens, and a
+new sequence whose leading blocks hash (and compare) equal reuses them.
 Freed blocks keep their hash in an LRU free queue until the space is needed again.
 """
 

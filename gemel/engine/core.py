@@ -14,11 +14,12 @@ import torch
 
 from gemel.config import EngineConfig
 from gemel.engine.block_manager import BlockManager
+from gemel.engine.forking import CandidateForks
 from gemel.engine.model_runner import ModelRunner, kv_bytes_per_token
 from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
 from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
-from gemel.engine.spec_decode import NgramProposer, SpecStats
+from gemel.engine.spec_decode import SpecStats, make_proposer
 from gemel.engine.step_budget import StepTimeModel, prefill_keys
 from gemel.layers.kernel_plan import plan_for_config
 from gemel.layers.linear import apply_plan_
@@ -31,6 +32,27 @@ log = logging.getLogger("gemel.engine")
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
+        self._load_model(loaded)
+        self._apply_kernel_plan()
+        arch = self.loaded.arch
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self.seqs: dict[str, Sequence] = {}
+        self.structured = None  # StructuredOutputManager, built on the first constrained request
+        kv_dtype, num_blocks = self._build_kv_cache()
+        self._build_scheduler()
+        self._build_runner(num_blocks, kv_dtype)
+        self.forks = CandidateForks(self.scheduler, self.block_manager, self.runner, self.seqs.get)
+        self.spec_stats = SpecStats()
+        self.proposer = make_proposer(config, arch.num_layers, self.runner, self.block_manager)
+        self.step_time_model = StepTimeModel()
+        self.last_step_time_s = 0.0
+        self.last_step_tokens = 0
+        self.num_steps = 0  # forward passes run (the front end histograms each step's token count)
+        self._log_ready(num_blocks)
+
+    def _load_model(self, loaded: LoadedModel | None) -> None:
+        config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
@@ -38,20 +60,27 @@ class EngineCore:
         t0 = time.monotonic()
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0
-        arch = self.loaded.arch
-        self.plan, warnings = plan_for_config(config, self.device, self.dtype)
+
+    def _apply_kernel_plan(self) -> None:
+        self.plan, warnings = plan_for_config(self.config, self.device, self.dtype)
         for warning in warnings:
             log.warning(warning)
         log.info("kernel plan: %s", self.plan.describe())
         self.weight_quant = self.plan.weight_quant
-        apply_plan_(self.loaded.model, self.plan, keep_dense=config.compile)
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        apply_plan_(self.loaded.model, self.plan, keep_dense=self.config.compile)
+
+    def _build_kv_cache(self) -> tuple[torch.dtype, int]:
+        """The KV cache's element type and size in blocks, and the block manager."""
+        config = self.config
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * kv_bytes_per_token(arch, kv_dtype))
+            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * kv_bytes_per_token(self.loaded.arch, kv_dtype))
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return kv_dtype, num_blocks
+
+    def _build_scheduler(self) -> None:
+        config = self.config
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -59,9 +88,16 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,
+            is_ready=self._is_ready,
         )
+
+    def _build_runner(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+        """The model runner, with the optional CPU kernels, the compiled decode step and the
+        seeded generator the configuration asks for."""
+        config = self.config
         self.runner = ModelRunner(
-            self.loaded.model, arch, num_blocks, config.block_size, self.dtype, self.device, kv_dtype=kv_dtype
+            self.loaded.model, self.loaded.arch, num_blocks, config.block_size, self.dtype, self.device,
+            kv_dtype=kv_dtype,
         )
         if config.cpu_attention_kernel and self.device.type == "cpu":
             log.info("C++ decode attention kernel: %s", "on" if self.runner.enable_decode_kernel() else "off")
@@ -75,28 +111,18 @@ class EngineCore:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(config.seed)
             self.runner.sampler.shared_generator = gen
-        self.seqs: dict[str, Sequence] = {}
-        self.structured = None  # StructuredOutputManager, built on the first constrained request
-        self.pending_forks: dict[str, list[Sequence]] = {}  # leader id -> siblings waiting for its prefill
-        self.spec_stats = SpecStats()
-        self.proposer = None
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.num_speculative_tokens, n_max=config.ngram_max)
-        elif config.speculative_method == "draft_layers":
-            if not 1 <= config.draft_layers < arch.num_layers:
-                raise ValueError(f"draft_layers must be between 1 and {arch.num_layers - 1} for this model")
-            self.proposer = "draft_layers"
-        self.num_forks = 0
-        self.scheduler.is_ready = self._is_ready
-        self.step_time_model = StepTimeModel()
-        self.last_step_time_s = 0.0
-        self.last_step_tokens = 0
-        self.num_steps = 0  # forward passes run (the front end histograms each step's token count)
+
+    def _log_ready(self, num_blocks: int) -> None:
         log.info(
             "engine ready: model=%s arch=%s device=%s dtype=%s kv_blocks=%d (x%d tokens) load=%.1fs threads=%d",
-            self.loaded.path, arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
-            self.load_time_s, torch.get_num_threads(),
+            self.loaded.path, self.loaded.arch.architecture, self.device, self.dtype, num_blocks,
+            self.config.block_size, self.load_time_s, torch.get_num_threads(),
         )
+
+    @property
+    def num_forks(self) -> int:
+        """Candidates that started from a fork of their leader's prompt KV."""
+        return self.forks.num_forks
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -130,9 +156,7 @@ class EngineCore:
             self._structured().add(req.request_id, req.params.structured_output)
         self.seqs[req.request_id] = seq
         leader = self.seqs.get(req.fork_of) if req.fork_of else None
-        if leader is not None and not leader.is_finished and leader.num_output_tokens == 0:
-            self.pending_forks.setdefault(leader.seq_id, []).append(seq)
-        else:
+        if not self.forks.hold(seq, leader):
             self.scheduler.add(seq)
 
     def _structured(self):
@@ -153,63 +177,37 @@ class EngineCore:
         if self.structured is not None:
             self.structured.remove(seq_id)
 
-    def _fork_pending(self) -> None:
-        """Siblings of an n-request start from their leader's prompt KV once it is computed;
-        each recomputes only the last prompt token to get logits for its own first sample."""
-        for leader_id in list(self.pending_forks):
-            leader = self.seqs.get(leader_id)
-            followers = self.pending_forks[leader_id]
-            if leader is None or leader.is_finished:
-                del self.pending_forks[leader_id]
-                for seq in followers:  # nothing to share any more: compute normally
-                    self.scheduler.add(seq)
-                continue
-            if leader.status != SequenceStatus.RUNNING or leader.num_computed_tokens < leader.num_prompt_tokens:
-                continue
-            del self.pending_forks[leader_id]
-            for seq in followers:
-                copy = self.block_manager.fork(leader, seq, seq.num_prompt_tokens - 1)
-                if copy is False:
-                    self.scheduler.add(seq)
-                    continue
-                if copy is not None:
-                    self.runner.copy_block(*copy)
-                self.num_forks += 1
-                self.scheduler.add(seq)
-
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             seq = self.seqs.pop(rid, None)
             if seq is None:
                 continue
-            for followers in self.pending_forks.values():
-                if seq in followers:
-                    followers.remove(seq)
-                    seq.status = SequenceStatus.FINISHED
+            self.forks.abort(seq)
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
                 self._release(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending_forks)
+        return self.scheduler.has_unfinished() or self.forks.has_pending()
 
     # -- the step ---------------------------------------------------------------------
     def _update_token_budget(self) -> None:
         target = self.config.itl_target_ms
         max_tokens = self.config.max_num_batched_tokens
         if target is None:
-            self.scheduler.token_budget = max_tokens
+            self.scheduler.set_token_budget(max_tokens)
             return
         running = self.scheduler.running
         decoding = sum(1 for s in running if s.num_uncomputed_tokens <= 1)
         # The prompt a chunk would continue (running ones come first); a new prompt starts at 0.
         context = max((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1), default=0)
         waiting = len(self.scheduler.waiting) + sum(1 for s in running if s.num_uncomputed_tokens > 1)
-        self.scheduler.token_budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context, waiting)
+        budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context, waiting)
+        self.scheduler.set_token_budget(budget)
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.pending_forks:
-            self._fork_pending()
+        if self.forks.has_pending():
+            self.forks.fork_ready()
         self._update_token_budget()
         sched = self.scheduler.schedule()
         now = time.monotonic()
@@ -236,8 +234,8 @@ class EngineCore:
             if seq.spec_token_ids:
                 self.spec_stats.record(len(seq.spec_token_ids), len(seq.spec_token_ids) - result.num_rejected[seq.seq_id])
                 seq.spec_token_ids = []
-        if self.pending_forks:
-            self._fork_pending()
+        if self.forks.has_pending():
+            self.forks.fork_ready()
         done = time.monotonic()
         for i, seq in enumerate(result.seqs):
             if seq.status != SequenceStatus.RUNNING:
@@ -263,36 +261,8 @@ class EngineCore:
                     out.events.append(("finished", done))
                     break
         if self.proposer is not None:
-            self._propose()
+            self.proposer.draft(self.scheduler.running, self.max_model_len)
         return list(outputs.values())
-
-    def _propose(self) -> None:
-        """Draft the next step's tokens for decoding sequences that can take them
-        (not those needing logprobs, grammars or penalties: they decode one token a step)."""
-        k = self.config.num_speculative_tokens
-        batch: list[Sequence] = []
-        for seq in self.scheduler.running:
-            p = seq.params
-            if (
-                seq.num_uncomputed_tokens != 1
-                or p.logprobs is not None
-                or p.structured_output is not None
-                or p.uses_penalties
-            ):
-                continue
-            room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, k + 1) - 1
-            if room <= 0:
-                continue
-            if self.proposer == "draft_layers":
-                # Whole drafts only (the passes run in lockstep); slots for every draft position.
-                if room == k and self.block_manager.allocate_slots(seq, k + 1):
-                    batch.append(seq)
-            else:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:room]
-        if batch:
-            drafts = self.runner.draft_greedy(batch, k, self.config.draft_layers)
-            for seq, draft in zip(batch, drafts):
-                seq.spec_token_ids = draft
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` (scoring; tests compare them with HF)."""

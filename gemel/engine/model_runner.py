@@ -23,7 +23,7 @@ from gemel.models.config import ModelArchConfig
 
 
 @dataclass
-class StepResult:
+class SampledTokens:
     """New tokens for the sequences whose step reached the end of their known tokens: one
     each, or up to k + 1 for a sequence whose k speculative tokens were verified."""
 
@@ -332,11 +332,11 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput) -> SampledTokens:
         ids, pos, meta, logits_rows = self.prepare(sched)
         hidden = self._forward_for(sched, meta)(ids, pos, meta, self.kv_caches)
         seqs = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n >= seq.num_tokens]
-        result = StepResult(seqs, [], [], [], {})
+        result = SampledTokens(seqs, [], [], [], {})
         if not seqs:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])

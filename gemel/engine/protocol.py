@@ -9,7 +9,7 @@ from gemel.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class TenantQuota:
-    """A tenant's share of the engine (F15), enforced when its requests are admitted."""
+    """A tenant's share of the engine, enforced when its requests are admitted."""
 
     max_running_seqs: int | None = None
     max_kv_blocks_share: float | None = None  # fraction of all KV blocks, 0..1

@@ -39,21 +39,37 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def always_ready(seq: Sequence) -> bool:
+    return True
+
+
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
+        is_ready: Callable[[Sequence], bool] = always_ready,
     ):
+        """``is_ready`` says whether a waiting sequence may be admitted now (a sequence whose
+        grammar is still compiling is not); by default every one is."""
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
+        self.is_ready = is_ready
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.token_budget = config.max_num_batched_tokens  # adapted by the engine (F13)
-        self.is_ready: Callable[[Sequence], bool] = lambda seq: True  # set by the engine
+        self._token_budget = config.max_num_batched_tokens
         self.num_preemptions = 0
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens the next ``schedule()`` may batch: ``max_num_batched_tokens`` unless the
+        engine sets a smaller one to meet its step-time target."""
+        return self._token_budget
+
+    def set_token_budget(self, tokens: int) -> None:
+        self._token_budget = tokens
 
     # -- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -64,7 +80,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def effective_priority(self, seq: Sequence, now: float) -> float:
-        """Priority class minus aging credit, so batch work cannot starve forever (F14)."""
+        """Priority class minus aging credit, so batch work cannot starve forever."""
         waited = max(0.0, now - seq.arrival_time)
         return max(0.0, seq.priority - waited / self.config.aging_seconds)
 
@@ -177,7 +193,7 @@ class Scheduler:
         return out
 
     def _within_quota(self, seq: Sequence) -> bool:
-        """Tenant quotas (F15): running-sequence cap and KV-block share, checked at admission."""
+        """Tenant quotas: running-sequence cap and KV-block share, checked at admission."""
         quota = seq.quota
         mine = [s for s in self.running if s.tenant == seq.tenant]
         if quota.max_running_seqs is not None and len(mine) >= quota.max_running_seqs:

@@ -1,4 +1,4 @@
-"""Step-time target (SPEC F13): size each step's token budget from measured step times.
+"""Step-time target: size each step's token budget from measured step times.
 
 A step's time is close to linear in the tokens it computes plus the keys its prompt chunks
 attend to: ``t ≈ fixed + per_token * tokens + per_key * prefill_keys``, where a chunk of x

@@ -1,4 +1,4 @@
-"""Structured output (SPEC F17): grammar-constrained decoding with llguidance.
+"""Structured output: grammar-constrained decoding with llguidance.
 
 Why llguidance (not xgrammar): it is a self-contained Rust wheel with no Python
 dependencies (xgrammar pulls in transformers and triton), imports in ~60 ms, builds its

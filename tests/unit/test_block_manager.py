@@ -196,7 +196,7 @@ def test_a_prompt_waits_for_the_block_a_running_chunk_computes_this_step():
     sched.update_after_step(sched.schedule())  # blocks 0-1 computed and cached
     follower = seq("follower", list(range(100, 116)) + [5])  # shares blocks 0-3
     sched.add(follower)
-    sched.token_budget = 20  # room for follower too, but long computes blocks 2-5 now, and
+    sched.set_token_budget(20)  # room for follower too, but long computes blocks 2-5 now, and
     out = sched.schedule()  # follower's first uncached block is block 2
     assert [(s.seq_id, n) for s, n in out.scheduled] == [("long", 16)] and sched.waiting == [follower]
     sched.update_after_step(out)
