@@ -20,10 +20,10 @@ class LLMEngine:
     def encode(self, prompt: str | list[dict] | None, prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
         """Text, chat messages or ids -> (prompt text, prompt ids)."""
         if prompt_token_ids is not None:
-            return None, list(prompt_token_ids)
+            return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         if isinstance(prompt, list):
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            return text, self.tokenizer.encode_chat(prompt, add_generation_prompt=True)
+            return text, self.tokenizer.encode_rendered(text)
         if not isinstance(prompt, str):
             raise TypeError("prompt must be a string, a list of chat messages, or token ids")
         return prompt, self.tokenizer.encode(prompt)

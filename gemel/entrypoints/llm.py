@@ -1,4 +1,4 @@
-"""Offline batch API (SPEC F23): ``LLM(...).generate(prompts, SamplingParams(...))``."""
+"""Offline batch API, as vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``, ``LLM(...).chat(...)``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _prompt_item(prompt) -> tuple[str | list[dict] | None, list[int] | None]:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
                 raise TypeError("prompt_token_ids must be a list of ints")
-            return None, list(ids)
+            text = prompt.get("prompt")  # the text the ids came from, when the caller has it
+            return (text if isinstance(text, str) else None), list(ids)
         if "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise TypeError("a {'prompt': ...} dict takes a string")
@@ -56,12 +57,15 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. As in vLLM, a prompt is text,
         ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, one of them or a list of them;
         a chat conversation (a list of messages) is one prompt too (``chat`` is the clearer
         call). ``prompt_token_ids=`` (vLLM's older keyword) and ``use_tqdm`` (no progress bar
-        here) are accepted."""
+        here) are accepted; LoRA adapters are refused."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported by gemel")
         if prompt_token_ids is not None:
             if prompts is not None:
                 raise ValueError("pass prompts or prompt_token_ids, not both")
@@ -93,10 +97,46 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of them; one output each."""
+        """One conversation (a list of messages) or a list of them; one output each. The
+        keywords are vLLM's: ``add_generation_prompt`` (the assistant turn's header),
+        ``continue_final_message`` (the model continues the last message instead of
+        answering it), ``tools`` and ``chat_template_kwargs`` (template variables, e.g.
+        ``enable_thinking``). A custom ``chat_template`` and LoRA adapters are refused."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported by gemel")
+        if chat_template is not None:
+            raise ValueError("a custom chat_template is not supported: gemel uses the model's own template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
         for conversation in conversations:
             if not _is_conversation(conversation):
                 raise TypeError("chat takes a conversation (a list of {'role', 'content'} messages) or a list of them")
-        return self.generate(conversations, sampling_params)
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tools=tools, **(chat_template_kwargs or {})
+            )
+            if continue_final_message:
+                text = _cut_after_final_message(text, conversation[-1])
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode_rendered(text)})
+        return self.generate(prompts, sampling_params)
+
+
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """The rendered conversation up to the end of its last message's content, so the model
+    writes on inside that message (what transformers' ``continue_final_message`` does)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    content = (content or "").strip()
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the final message's content is not in the rendered prompt")
+    return text[: at + len(content)]

@@ -70,3 +70,25 @@ def test_prompts_and_prompt_token_ids_together_are_refused(llm):
         llm.generate(["x"], PARAMS, prompt_token_ids=[[1, 2]])
     with pytest.raises(TypeError, match="conversation"):
         llm.chat([["not", "messages"]], PARAMS)
+
+
+def test_chat_takes_vllms_template_keywords(llm):
+    """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` shape
+    the prompt as vLLM (and transformers) do; what gemel cannot honour is refused by name."""
+    tok = llm.tokenizer
+    conversation = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, I am"}]
+    answer = llm.chat(conversation[:1], PARAMS, use_tqdm=False)[0]
+    assert answer.prompt == tok.apply_chat_template(conversation[:1], add_generation_prompt=True)
+    bare = llm.chat(conversation[:1], PARAMS, add_generation_prompt=False)[0]
+    assert bare.prompt == tok.apply_chat_template(conversation[:1], add_generation_prompt=False)
+    cont = llm.chat(conversation, PARAMS, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("Hello, I am") and cont.prompt_token_ids == tok.encode_rendered(cont.prompt)
+    assert _tokens([cont]) == _tokens(llm.generate({"prompt_token_ids": cont.prompt_token_ids}, PARAMS))
+    with_vars = llm.chat(conversation[:1], PARAMS, chat_template_kwargs={"enable_thinking": False})[0]
+    assert with_vars.prompt == answer.prompt  # a variable the template does not use changes nothing
+    with pytest.raises(ValueError, match="cannot both"):
+        llm.chat(conversation, PARAMS, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat(conversation, PARAMS, chat_template="{{ messages }}")
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.chat(conversation, PARAMS, lora_request=object())
