@@ -3,7 +3,7 @@ system's C compiler (``-march=native``) and prints nanoseconds per ``tdpbf16ps``
 shapes a bf16 GEMM can use, one thread, operands in L1/L2 (the C file says what each shape
 does). The gap between "tdp only" and "2x2 (the kernel)" is what loading operand tiles adds;
 with 8 tile registers a 2x2 loop already has the fewest loads per product (one), so that
-row bounds any bf16 tile GEMM here (docs/performance.md, twelfth pass).
+row bounds any bf16 tile GEMM here (docs/performance.md, "The floor under any tile kernel on the Xeon").
 
     python bench/amx_tile_rates.py --rounds 5
 """

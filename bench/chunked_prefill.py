@@ -1,4 +1,4 @@
-"""Step-time target (F13): inter-token latency of running decodes while a long prompt
+"""Step-time target and chunked prefill: inter-token latency of running decodes while a long prompt
 arrives. 16 requests decode; after a few steps a 2,000-token prompt joins. Reports the ITL
 p50/p99 of the 16 during the rest of the run, with the adaptive budget (itl_target_ms) and
 without it (every step may take the whole prompt, up to max_num_batched_tokens), and for

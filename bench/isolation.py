@@ -1,4 +1,4 @@
-"""Noisy-neighbour benchmark (SPEC F43, F14, F15): does a batch tenant's flood hurt a critical one?
+"""Noisy-neighbour benchmark (priority classes, tenant quotas): does a batch tenant's flood hurt a critical one?
 
 A P0 tenant sends a steady stream of short streaming chat requests (one every
 ``--p0-interval`` seconds, open loop) and we measure its time to first token (TTFT, request

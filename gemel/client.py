@@ -1,4 +1,4 @@
-"""Client helpers for gemel's gateway: signed requests (SPEC F41).
+"""Client helpers for gemel's gateway: signed requests (docs/gateway.md, "Signed requests").
 
     from gemel.client import Ed25519Auth, sign_request
     headers = sign_request(body_bytes, key_id, "client.pem")      # {"X-LLM-Signature": ...}

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
-# Names stock SDK examples use; by default they all reach the default model (SPEC F5).
+# Names stock SDK examples use; by default they all reach the default model.
 DEFAULT_ALIASES = [
     "gemini-2.0-flash",
     "gemini-2.0-flash-001",
@@ -52,7 +52,7 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     itl_target_ms: float | None = Field(
-        50.0, gt=0, description="step-time target while requests decode (F13); null: always the full budget"
+        50.0, gt=0, description="step-time target while requests decode; null: always the full budget"
     )
     cpu_isa: Literal["auto", "portable", "avx2", "avx512", "amx"] = Field(
         "auto",
@@ -118,7 +118,7 @@ class EngineConfig(BaseModel):
         "cpp_wrapper): ~8% off a CPU decode step at batch 1, but the first start-up compiles twice as long",
     )
     speculative_method: Literal["none", "ngram", "draft_layers"] = Field(
-        "none", description="speculative decoding proposer (F18): n-gram prompt lookup or the target's first layers"
+        "none", description="speculative decoding proposer: n-gram prompt lookup or the target's first layers"
     )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step")
     ngram_max: int = Field(4, ge=1, description="longest suffix the n-gram proposer matches")
@@ -128,7 +128,7 @@ class EngineConfig(BaseModel):
 
 
 class ModelEntry(BaseModel):
-    """One generative model of the catalogue (SPEC F5); each runs in its own engine process."""
+    """One generative model of the catalogue; each runs in its own engine process."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -144,7 +144,7 @@ class ModelEntry(BaseModel):
 
 
 class EmbeddingModelEntry(BaseModel):
-    """The embedding model served by embedContent / batchEmbedContents / /v1/embeddings (SPEC F35)."""
+    """The embedding model served by embedContent / batchEmbedContents / /v1/embeddings."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -164,7 +164,7 @@ class ServerConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request (SPEC F46)")
+    request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request")
     max_request_timeout_s: float = Field(3600.0, gt=0, description="largest deadline a client may ask for")
     engine_ready_timeout_s: float = Field(
         300.0, gt=0, description="how long a request waits for a model that is still loading"
@@ -177,7 +177,7 @@ class ServerConfig(BaseModel):
 
 
 class ObservabilityConfig(BaseModel):
-    """Metrics, tracing, the dashboard and the periodic stats log (SPEC F60-F63)."""
+    """Metrics, tracing, the dashboard and the periodic stats log."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -203,7 +203,7 @@ class ObservabilityConfig(BaseModel):
 
 
 class QueueLimits(BaseModel):
-    """Requests of each priority class that may wait for their first token at once (F43)."""
+    """Requests of each priority class that may wait for their first token at once (admission control)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -213,7 +213,7 @@ class QueueLimits(BaseModel):
 
 
 class GatewayConfig(BaseModel):
-    """Tenants, keys, rate limits and admission (SPEC F40-F43; ``gemel.gateway``)."""
+    """Tenants, keys, rate limits and admission (``gemel.gateway``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -233,7 +233,7 @@ class GatewayConfig(BaseModel):
 
 
 class GrpcConfig(BaseModel):
-    """The Gemini gRPC listener of ``gemel serve`` (SPEC F31, F75; ``gemel.api.grpc_server``)."""
+    """The Gemini gRPC listener of ``gemel serve``, optionally with TLS (``gemel.api.grpc_server``)."""
 
     model_config = ConfigDict(extra="forbid")
 

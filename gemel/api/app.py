@@ -52,7 +52,7 @@ def create_app(config: GemelConfig | None = None, grpc: bool = False) -> FastAPI
     )
     app.state.gemel = state
     install_error_handlers(app)
-    gateway = Gateway(state.config.gateway)  # keys, signatures, limits, admission (SPEC F40-F43)
+    gateway = Gateway(state.config.gateway)  # keys, signatures, limits, admission
     app.state.gateway = gateway
     app.state.gateway_counters = gateway.counters  # every rejection per tenant and reason
     app.add_middleware(GatewayMiddleware, gateway=gateway)  # inside the response-headers middleware

@@ -1,4 +1,4 @@
-"""Who is calling: the ``Principal`` the gateway middleware authenticated (SPEC F40, F41).
+"""Who is calling: the ``Principal`` the gateway middleware authenticated (API key or signature).
 
 Keys and signatures are checked by ``gemel.gateway.middleware.GatewayMiddleware`` before a
 route runs; ``authenticate`` only hands the routes its result. Without the middleware (an

@@ -1,4 +1,4 @@
-"""The descriptor of ``google.ai.generativelanguage.v1beta.GenerativeService`` (SPEC F31).
+"""The descriptor of ``google.ai.generativelanguage.v1beta.GenerativeService``.
 
 ``google-ai-generativelanguage`` ships proto-plus message classes whose file descriptors it
 registers in protobuf's default pool, but no service descriptor and no ``.proto`` sources

@@ -1,4 +1,4 @@
-"""Liveness, readiness and the engine's internal stats (SPEC F33, F22 test hook)."""
+"""Liveness, readiness and the engine's internal stats (which tests read, e.g. to see a disconnect free its blocks)."""
 
 from __future__ import annotations
 

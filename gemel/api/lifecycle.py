@@ -1,4 +1,4 @@
-"""A request's life around the engine: its deadline (SPEC F46) and its client's departure (F22).
+"""A request's life around the engine: its deadline and its client's departure.
 
 Unary answers run under ``guarded``: the work is cancelled, and so aborted in the engine,
 when the deadline passes or the client disconnects. Streams are cancelled by Starlette

@@ -1,4 +1,4 @@
-"""Headers every response carries (SPEC F34): request id, model id and version, latency, trace.
+"""Headers every response carries: request id, model id and version, latency, trace.
 
 A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnect detection pass
 through untouched. Handlers name the model they served in ``request.state.model_id`` /

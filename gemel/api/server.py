@@ -1,4 +1,4 @@
-"""``gemel serve``: arguments and the uvicorn run (SPEC F70).
+"""``gemel serve``: arguments and the uvicorn run.
 
 ``gemel/cli.py`` calls ``add_serve_arguments`` and ``run_serve``; ``python -m
 gemel.api.server`` does the same on its own.
@@ -63,7 +63,7 @@ def apply_overrides(config: GemelConfig, args: argparse.Namespace) -> GemelConfi
 
 
 def gateway_problem(config: GemelConfig) -> str | None:
-    """Why the gateway settings cannot serve (SPEC F40), or None: no auth on a public address."""
+    """Why the gateway settings cannot serve, or None: no auth on a public address."""
     from gemel.gateway.gateway import binds_loopback_only
 
     gw = config.gateway
@@ -104,7 +104,7 @@ def port_unavailable(host: str, port: int) -> str | None:
 
 
 def grpc_problem(config: GemelConfig) -> str | None:
-    """Why the gRPC listener cannot serve as configured (SPEC F31, F75), or None."""
+    """Why the gRPC listener cannot serve as configured (its address or TLS files), or None."""
     g = config.grpc
     if not g.enabled:
         return None

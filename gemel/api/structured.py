@@ -1,4 +1,4 @@
-"""Structured-output requests of both surfaces -> one StructuredOutputSpec (F17).
+"""Structured-output requests of both surfaces -> one StructuredOutputSpec (JSON mode and JSON-schema constrained decoding).
 
 Gemini sends ``responseMimeType: application/json`` with ``responseSchema`` (an OpenAPI 3.0
 subset with UPPERCASE types, ``nullable``, int64 bounds as strings) or ``responseJsonSchema``

@@ -1,4 +1,4 @@
-"""Sentence embeddings (SPEC F35): a small BERT encoder plus sentence-transformers pooling."""
+"""Sentence embeddings: a small BERT encoder plus sentence-transformers pooling."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway (SPEC F40-F43): tenants, API keys, signed requests, rate limits, admission.
+"""The gateway: tenants, API keys, signed requests, rate limits, admission.
 
 * ``tenants`` - the tenants file (YAML): tenants, hashed API keys, Ed25519 public keys, limits.
 * ``signing`` - ``X-LLM-Signature`` verification and the replay (nonce) cache.

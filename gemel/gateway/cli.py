@@ -1,4 +1,4 @@
-"""``gemel keys``: tenants, API keys and signing keys in a tenants file (SPEC F40, F41).
+"""``gemel keys``: tenants, API keys and signing keys in a tenants file.
 
     gemel keys create  --tenants PATH --tenant T [--priority P0|P1|P2] [--rpm N] [--tpm N]
     gemel keys ed25519 --tenants PATH --tenant T --out KEYFILE

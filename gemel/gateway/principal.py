@@ -23,8 +23,8 @@ ANONYMOUS = "anonymous"
 class Principal:
     tenant: str = ANONYMOUS
     priority_class: str = "P1"
-    priority: int = 1  # SamplingParams.priority (F14): P0 -> 0, P1 -> 1, P2 -> 2
-    quota: TenantQuota | None = None  # engine quota (F15) passed with each engine request
+    priority: int = 1  # SamplingParams.priority from the priority class: P0 -> 0, P1 -> 1, P2 -> 2
+    quota: TenantQuota | None = None  # per-tenant engine quota passed with each engine request
     via: Literal["anonymous", "api_key", "signature"] = "anonymous"
     key_id: str | None = None  # the API key id or signing key id that authenticated the call
     admission: Admission | None = None  # this request's hold on the gateway (limits, queues)

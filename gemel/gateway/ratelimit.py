@@ -1,4 +1,4 @@
-"""Per-tenant rate limits (SPEC F42): token buckets behind the ``RateLimiter`` protocol.
+"""Per-tenant rate limits: token buckets behind the ``RateLimiter`` protocol.
 
 A limit of N per minute is a bucket of capacity N (the burst a tenant may send at once)
 refilled continuously at N/60 per second. Requests take 1 from the tenant's requests bucket;

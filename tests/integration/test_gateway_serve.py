@@ -1,4 +1,4 @@
-"""The gateway through real HTTP on a real `gemel serve` (SPEC F40-F43): keys made with
+"""The gateway through real HTTP on a real `gemel serve`: keys made with
 `gemel keys`, both REST surfaces, every signature path, rate limits, admission, and no
 plaintext key on disk or in the logs."""
 

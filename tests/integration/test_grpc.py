@@ -1,6 +1,6 @@
-"""The Gemini gRPC surface (SPEC F31, F40-F42, F75) of a real ``gemel serve``, through the
-official ``GenerativeServiceClient`` over a gRPC channel, a reflection-only client, grpcurl
-(when installed) and a TLS listener."""
+"""The Gemini gRPC surface of a real ``gemel serve``, with API keys, signatures and rate limits,
+through the official ``GenerativeServiceClient`` over a gRPC channel, a reflection-only client,
+grpcurl (when installed) and a TLS listener."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_stream_equals_unary_for_same_seed(client, md):
 
 
 def test_response_metadata(channel, md):
-    """SPEC F34's headers as gRPC metadata: initial (request id, model, traceparent), trailing (latency)."""
+    """Response headers as gRPC metadata: initial (request id, model, traceparent), trailing (latency)."""
     call = channel.unary_unary(
         f"/{SERVICE}/GenerateContent",
         request_serializer=types.GenerateContentRequest.serialize,
@@ -426,7 +426,7 @@ def test_grpcurl(grpc_env):
     assert bad.returncode != 0 and "Unauthenticated" in bad.stderr
 
 
-# -- TLS (SPEC F75) --------------------------------------------------------------------------------
+# -- TLS -------------------------------------------------------------------------------------------
 def self_signed(tmp: Path) -> tuple[Path, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization

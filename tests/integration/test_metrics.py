@@ -1,5 +1,5 @@
-"""/metrics against a real server: the counters and histograms match what was served (SPEC F60),
-and every metric the Grafana dashboard queries exists (F63)."""
+"""/metrics against a real server: the counters and histograms match what was served,
+and every metric the Grafana dashboard (deploy/grafana) queries exists."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tracing against a real server (SPEC F61, F34): the span tree of a request and its traceparent.
+"""Tracing against a real server: the span tree of a request and its traceparent.
 
 The server runs with the test-only switch ``observability.trace_memory_exporter`` (see the
 ``obs_server`` fixture), which keeps finished spans in memory and serves them as JSON at

@@ -251,7 +251,7 @@ def test_sequences_behind_a_shared_prefix_decode_with_cascade_attention(llm):
 
 def test_step_target_chunks_a_long_prompt_and_records_its_keys(tiny_llama_dir, llm):
     """With decodes running, a long prompt is prefilled in chunks sized by the step-time model,
-    and each step tells the model how many keys its prompt chunks attended to (F13)."""
+    and each step tells the model how many keys its prompt chunks attended to."""
     from gemel.engine.step_budget import prefill_keys
 
     timed = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, itl_target_ms=50.0)

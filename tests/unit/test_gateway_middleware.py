@@ -1,5 +1,5 @@
 """The gateway in front of a small app, over HTTP in-process (no engine): auth on both
-surfaces, admission, counters, key redaction (SPEC F40-F43)."""
+surfaces, admission, counters, key redaction."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Token buckets (SPEC F42) with a fake clock."""
+"""Per-tenant token buckets with a fake clock."""
 
 from __future__ import annotations
 

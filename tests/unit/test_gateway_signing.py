@@ -1,4 +1,4 @@
-"""X-LLM-Signature verification (SPEC F41) and the client helper, with a fixed clock."""
+"""X-LLM-Signature verification and the client helper, with a fixed clock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tenants file, API key hashing and the `gemel keys` command (SPEC F40, F41)."""
+"""Tenants file, API key hashing and the `gemel keys` command."""
 
 from __future__ import annotations
 

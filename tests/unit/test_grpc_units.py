@@ -1,5 +1,5 @@
 """Pieces of the Gemini gRPC surface that need no server: the service descriptor built for
-reflection, error statuses, peer addresses and the configuration (SPEC F31, F75)."""
+reflection, error statuses, peer addresses and the configuration (address, TLS)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 projections (F19): exact against their own dequantised weights,
+"""Weight-only int8/int4 projections: exact against their own dequantised weights,
 and close to the dense model's greedy output."""
 
 from __future__ import annotations

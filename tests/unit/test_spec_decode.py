@@ -1,4 +1,4 @@
-"""Speculative decoding (F18): n-gram proposals, verification, and the target distribution."""
+"""Speculative decoding: n-gram proposals, verification, and the target distribution."""
 
 from __future__ import annotations
 

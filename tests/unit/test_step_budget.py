@@ -1,4 +1,4 @@
-"""The chunked-prefill budget logic of the step-time target (F13), on synthetic timings."""
+"""The chunked-prefill budget logic of the step-time target, on synthetic timings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (F17) with llguidance, on the tiny random model: outputs
+"""Grammar-constrained decoding (JSON mode, JSON schema) with llguidance, on the tiny random model: outputs
 parse and validate, and free requests are unaffected by constrained neighbours."""
 
 from __future__ import annotations

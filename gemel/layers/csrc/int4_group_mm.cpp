@@ -49,7 +49,7 @@ constexpr int64_t kCodes = 2 * kGroup;  // coarse and fine int8 codes of one gro
 constexpr float kFine = 254.f;          // fine code unit: 1/254 of the coarse one
 // How far ahead of the record being read its thread asks for the next ones. A thread's
 // blocks are one sequential stream, but the hardware prefetcher alone left the kernel at
-// 6-8 GB/s of the two cores' 11-12 at one row (docs/performance.md, fourteenth pass).
+// 6-8 GB/s of the two cores' 11-12 at one row (docs/performance.md, "Prefetching to the memory's rate").
 constexpr int64_t kPrefetchBytes = 4096;
 
 // x [M, K] (float or bf16) -> per group of 32: int8 codes and int8 codes of what they miss
