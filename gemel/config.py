@@ -125,6 +125,11 @@ class EngineConfig(BaseModel):
     draft_layers: int = Field(8, ge=1, description="layers of the target used as the self-speculative draft")
     num_threads: int | None = Field(None, ge=1, description="CPU threads; unset: all cores (under gemel serve, one fewer while other processes keep them busy)")
     seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
+    fault_injection: str | None = Field(
+        None,
+        description="testing only, honoured when $GEMEL_FAULT_INJECTION=1: 'crash_after_steps=N' or "
+        "'stall_after_steps=N' makes the first engine process die or hang after N steps",
+    )
 
 
 class ModelEntry(BaseModel):
@@ -166,6 +171,15 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request")
     max_request_timeout_s: float = Field(3600.0, gt=0, description="largest deadline a client may ask for")
+    max_body_mb: float = Field(
+        20.0, gt=0, description="largest request body (Gemini's own inline limit); a larger one is refused with 413"
+    )
+    max_json_depth: int = Field(
+        64, ge=2, le=500, description="deepest nesting of arrays and objects in a JSON body; deeper is a 400"
+    )
+    max_json_values: int = Field(
+        1_000_000, ge=1000, description="most values (array items, object members) in a JSON body; more is a 400"
+    )
     engine_ready_timeout_s: float = Field(
         300.0, gt=0, description="how long a request waits for a model that is still loading"
     )
@@ -174,6 +188,28 @@ class ServerConfig(BaseModel):
     )
     stats_interval_s: float = Field(0.5, gt=0, description="how often an idle engine process reports its stats")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    engine_stall_s: float = Field(
+        30.0, gt=0, description="an engine with queued work and no finished step for this long is restarted"
+    )
+    engine_max_restarts: int = Field(
+        5, ge=0, description="restarts of a model's engine within engine_restart_window_s before it is marked failed; 0: never restart"
+    )
+    engine_restart_window_s: float = Field(300.0, gt=0, description="the window engine_max_restarts counts in")
+    ssl_certfile: str | None = Field(
+        None, description="PEM certificate chain; with ssl_keyfile the HTTP port speaks HTTPS only"
+    )
+    ssl_keyfile: str | None = Field(None, description="PEM private key of ssl_certfile")
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM/SIGINT, how long running requests may take to finish before the server stops",
+    )
+    verify_weights: Literal["off", "fast", "full"] = Field(
+        "fast",
+        description="check each model's weight files (SHA-256 against its package's RECORD or a path's manifest) "
+        "before its engine starts; a model that fails is refused (503) while the others serve. fast: hash on first "
+        "sight and when a file's size or mtime changed, else trust the cached result; full: hash on every start",
+    )
 
 
 class ObservabilityConfig(BaseModel):

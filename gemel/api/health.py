@@ -12,19 +12,23 @@ from gemel.api.state import state_of
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", summary="liveness: the front end answers")
+@router.get("/healthz", summary="liveness: the front end answers (also while draining)")
 async def healthz(request: Request) -> Response:
     st = state_of(request)
     return JSONResponse({"status": "OK", "models_loaded": [m.id for m in st.models if m.loaded]})
 
 
 def _engine_problem(st, m) -> str | None:
+    if m.failure is not None:  # refused at start-up (e.g. its weights failed verification)
+        return f"failed: {m.failure}"
     if m.engine is None:
         task = m.encoder_task
         if task is None or not task.done():
             return "loading"
         return f"failed: {task.exception()}" if task.exception() else None
     e = m.engine
+    if e.state == "restarting":
+        return f"restarting: {e.error}"
     if e.state != "ready":
         return e.error or e.state
     age = time.monotonic() - e.last_report
@@ -33,9 +37,14 @@ def _engine_problem(st, m) -> str | None:
     return None
 
 
-@router.get("/readyz", summary="readiness: every model loaded and its engine responsive")
+@router.get("/readyz", summary="readiness: every model loaded, its engine responsive, not shutting down")
 async def readyz(request: Request) -> Response:
     st = state_of(request)
+    drain = getattr(request.app.state, "drain", None)
+    if drain is not None and drain.draining:  # shutting down: the load balancer should stop sending
+        return JSONResponse(
+            {"status": "DRAINING", "in_flight": drain.in_flight}, status_code=503, headers={"Retry-After": "1"}
+        )
     problems = {m.id: p for m in st.models if (p := _engine_problem(st, m)) is not None}
     if problems:
         return JSONResponse({"status": "UNAVAILABLE", "problems": problems}, status_code=503, headers={"Retry-After": "1"})

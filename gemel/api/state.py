@@ -15,9 +15,10 @@ from typing import Literal
 from starlette.requests import Request
 
 from gemel.api.errors import APIError
-from gemel.config import GemelConfig
+from gemel.config import GemelConfig, ServerConfig
 from gemel.engine.async_llm import AsyncLLM, EngineNotReadyError
-from gemel.loader import sources
+from gemel.engine.supervisor import RestartPolicy
+from gemel.loader import integrity, sources
 
 log = logging.getLogger("gemel.api")
 
@@ -37,6 +38,7 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     engine: AsyncLLM | None = None
     encoder_task: asyncio.Task | None = None  # the embedding model, loading in a thread
+    failure: str | None = None  # why this model cannot serve (e.g. its weights differ); its engine never starts
 
     @property
     def model_version(self) -> str:
@@ -67,6 +69,13 @@ def mark_model(request: Request, model: ServedModel) -> None:
     request.state.model_version = model.version
 
 
+def restart_policy(server: ServerConfig) -> RestartPolicy:
+    """When a model's dead or stalled engine is started again (``engine/supervisor.py``)."""
+    return RestartPolicy(
+        max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s, stall_s=server.engine_stall_s
+    )
+
+
 def _served_model(entry, kind: Literal["generate", "embed"], description: str, max_output_tokens: int, engine: AsyncLLM | None = None) -> ServedModel:
     """The catalogue entry of a configured model (``ModelEntry`` or ``EmbeddingsConfig``)."""
     return ServedModel(
@@ -93,6 +102,7 @@ class ServerState:
                 config.engine_config(entry),  # unset CPU threads adapt (gemel.engine.threads)
                 stats_interval_s=config.server.stats_interval_s,
                 log_level=config.server.log_level,
+                restart=restart_policy(config.server),
             )
             description = entry.description or f"{entry.id} served by gemel"
             self.models.append(_served_model(entry, "generate", description, entry.max_output_tokens, engine))
@@ -112,8 +122,21 @@ class ServerState:
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
+        """Check every model's weights (in threads, at once), then start the engines of those intact."""
+        mode = self.config.server.verify_weights
+        checks = await asyncio.gather(*(asyncio.to_thread(integrity.check_for_serve, m.source, mode) for m in self.models))
+        for m, check in zip(self.models, checks):
+            if check.failure is not None:
+                m.failure = check.failure
+                log.error("model %s will not serve: %s", m.id, check.failure)
+            elif not check.checked and mode != "off":
+                log.warning("model %s: %s", m.id, check.summary)
+            else:
+                log.info("model %s: %s", m.id, check.summary)
         loop = asyncio.get_running_loop()
         for m in self.models:
+            if m.failure is not None:
+                continue
             if m.engine is not None:
                 await m.engine.start()
             else:
@@ -137,7 +160,8 @@ class ServerState:
 
     # -- lookups ------------------------------------------------------------------------
     def resolve(self, name: str, surface: str = "gemini", api_version: str = "v1beta") -> ServedModel:
-        """A model by id or alias (``models/`` prefix allowed), else 404 in the surface's words."""
+        """A model by id or alias (``models/`` prefix allowed), else 404 in the surface's words;
+        503 with the reason for a model that cannot serve, while the others do."""
         key = name.removeprefix("models/")
         model = self.by_name.get(key)
         if model is None:
@@ -153,6 +177,8 @@ class ServerState:
                 f"models/{key} is not found for API version {api_version}. "
                 "Call ListModels to see the list of available models and their supported methods.",
             )
+        if model.failure is not None:
+            raise APIError(503, f"model {model.id} is unavailable: {model.failure}", retry_after_s=None)
         return model
 
     def generative(self, name: str, surface: str = "gemini", api_version: str = "v1beta", method: str = "generateContent") -> ServedModel:

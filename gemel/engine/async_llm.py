@@ -4,7 +4,11 @@ The event loop tokenises (in the API layer), owns the ``OutputProcessor`` (incre
 detokenisation, stop strings, n candidates) and hands each request its outputs through a
 small per-request stream. Two threads move pickled messages so the loop never blocks on a
 pipe: a writer drains an outbox into the child's input pipe, and a reader waits on the
-child's output pipe and its process sentinel, so a dead engine is noticed at once and every
+child's output pipe and its process sentinel, so a dead engine is noticed at once.
+
+A dead or stalled engine is started again (``engine/supervisor.py`` says when and how
+often) and every unfinished request is resubmitted with the tokens it had produced, so its
+client sees a pause, not an error. Past the restart budget, or with restarting off, every
 waiting request fails with ``EngineDeadError`` instead of hanging.
 """
 
@@ -18,12 +22,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from gemel.config import EngineConfig
 from gemel.engine.core_proc import AbortRequests, AddRequests, Failed, Ready, Shutdown, StepResult, run_engine_core
 from gemel.engine.output_processor import OutputProcessor, RequestOutput, RequestState, child_params
 from gemel.engine.protocol import EngineCoreRequest, EngineStats, TenantQuota
+from gemel.engine.supervisor import RestartBudget, RestartPolicy, exit_reason
 from gemel.loader.tokenizer import Tokenizer
 from gemel.observability.stats import EngineObserver, IterationStats
 from gemel.sampling_params import SamplingParams
@@ -102,53 +107,95 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     return replace(last, outputs=merged)
 
 
-class AsyncLLM:
-    """One model served by one engine process."""
+@dataclass
+class _Submission:
+    """What a request was submitted with, to submit it again to a restarted engine."""
 
-    def __init__(self, config: EngineConfig, stats_interval_s: float = 0.5, log_level: str = "info"):
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    quota: TenantQuota | None
+    arrival: float
+
+
+class AsyncLLM:
+    """One model served by one engine process, restarted when it dies or stalls."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats_interval_s: float = 0.5,
+        log_level: str = "info",
+        restart: RestartPolicy | None = None,
+    ):
         self.config = config
         self.stats_interval_s = stats_interval_s
         self.log_level = log_level
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = config.max_model_len or 0
         self.info: Ready | None = None
-        self.state = "created"  # created -> starting -> ready -> dead | failed | stopped
+        # created -> starting -> ready (-> restarting -> ready)* -> dead | failed | stopped
+        self.state = "created"
         self.error: str | None = None
         self.stats = EngineStats()
         self.last_report = 0.0  # monotonic time of the engine's last message
+        self.restart_policy = restart or RestartPolicy()
+        self.restarts: dict[str, int] = {}  # restarts so far, by reason ("killed", "crash", "stall")
+        self._budget = RestartBudget(self.restart_policy)
+        self._attempt = 0  # engine processes started before the current one
+        self._stalled = False  # the watchdog killed the current process
+        self._last_progress = 0.0  # monotonic: last finished step, or when work arrived at an idle engine
+        self._tasks: list[asyncio.Task] = []  # the watchdog and a pending restart
         self._streams: dict[str, _RequestStream] = {}
+        self._submissions: dict[str, _Submission] = {}
         self._processor: OutputProcessor | None = None
         self._ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: mp.process.BaseProcess | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._conn = None
         self.observers: list[EngineObserver] = []  # metrics, tracing, dashboard (gemel.observability)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
         """Spawn the engine process and load the tokenizer; the model loads in the background."""
         self._loop = asyncio.get_running_loop()
-        ctx = mp.get_context("spawn")
-        child_in, to_engine = ctx.Pipe(duplex=False)
-        self._conn, child_out = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.config.model_dump(), child_in, child_out, self.stats_interval_s, self.log_level),
-            name="gemel-engine",
-            daemon=True,
-        )
         self.state = "starting"
-        self._proc.start()
-        child_in.close()
-        child_out.close()
-        threading.Thread(target=self._write_loop, args=(to_engine,), name="gemel-engine-writer", daemon=True).start()
+        conn = self._spawn()
         self.tokenizer, model_len = await asyncio.to_thread(load_tokenizer, self.config.model)
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
         self._processor = OutputProcessor(self.tokenizer)
-        threading.Thread(target=self._read_loop, name="gemel-engine-reader", daemon=True).start()
+        self._start_reader(conn)
+        self._tasks.append(asyncio.ensure_future(self._watch_for_stalls()))
+
+    def _spawn(self):
+        """Start an engine process and its writer thread; returns the pipe its messages come on
+        (the caller starts the reader on it). Each process gets an outbox of its own, so nothing
+        queued for a dead one reaches its successor."""
+        ctx = mp.get_context("spawn")
+        child_in, to_engine = ctx.Pipe(duplex=False)
+        conn, child_out = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.config.model_dump(), child_in, child_out, self.stats_interval_s, self.log_level, self._attempt),
+            name="gemel-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        child_in.close()
+        child_out.close()
+        self._outbox = queue.SimpleQueue()
+        self._stalled = False
+        args = (to_engine, self._outbox)
+        threading.Thread(target=self._write_loop, args=args, name="gemel-engine-writer", daemon=True).start()
+        return conn
+
+    def _start_reader(self, conn) -> None:
+        args = (conn, self._proc)
+        threading.Thread(target=self._read_loop, args=args, name="gemel-engine-reader", daemon=True).start()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self._proc is None:
             return
         if self.state in ("starting", "ready"):
@@ -173,20 +220,26 @@ class AsyncLLM:
         return self.state == "ready"
 
     async def wait_ready(self, timeout: float) -> None:
+        """Until the engine is ready: while it loads, and while it restarts after a crash."""
         if self.state == "ready":
             return
-        if self.state in ("starting", "created"):
+        if self.state in ("starting", "created", "restarting"):
             try:
                 await asyncio.wait_for(self._ready.wait(), timeout)
             except TimeoutError:
-                raise EngineNotReadyError("the model is still loading; retry shortly") from None
+                raise EngineNotReadyError(self._not_ready_message()) from None
         self.check_alive()
+
+    def _not_ready_message(self) -> str:
+        if self.state == "restarting":
+            return f"the model's engine is restarting ({self.error}); retry shortly"
+        return "the model is still loading; retry shortly"
 
     def check_alive(self) -> None:
         if self.state == "ready":
             return
         if self.state in ("starting", "created"):
-            raise EngineNotReadyError("the model is still loading; retry shortly")
+            raise EngineNotReadyError(self._not_ready_message())
         raise EngineDeadError(f"the engine is unavailable ({self.error or self.state})")
 
     # -- requests -----------------------------------------------------------------------
@@ -204,7 +257,8 @@ class AsyncLLM:
         cancelling the iterator before the end, or passing ``deadline`` (monotonic; raises
         TimeoutError), aborts the request in the engine. ``quota`` is the tenant's engine
         quota, from the gateway."""
-        self.check_alive()
+        if self.state != "restarting":  # a request arriving mid-restart is submitted with the others
+            self.check_alive()
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -219,6 +273,9 @@ class AsyncLLM:
         state.observer_handles = self._begin_observers(request_id, state.tenant, params)
         self._processor.add(state)
         arrival = time.monotonic()
+        self._submissions[request_id] = _Submission(prompt_ids, params, tenant, quota, arrival)
+        if len(self._submissions) == 1:
+            self._last_progress = arrival  # an idle engine is not stalled: its clock starts now
         self._send(
             AddRequests(
                 [
@@ -240,6 +297,7 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._submissions.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
 
@@ -280,14 +338,16 @@ class AsyncLLM:
 
     # -- the pipes (threads) ---------------------------------------------------------------
     def _send(self, msg) -> None:
-        """Queue a message for the engine; never blocks the event loop."""
+        """Queue a message for the engine; never blocks the event loop. Nothing is queued
+        while the engine restarts: the new one gets every unfinished request on start."""
         if self.state in ("starting", "ready"):
             self._outbox.put(msg)
 
-    def _write_loop(self, conn) -> None:
+    @staticmethod
+    def _write_loop(conn, outbox: queue.SimpleQueue) -> None:
         """Writer thread: pickle and send each queued message (a full pipe blocks only here)."""
         while True:
-            msg = self._outbox.get()
+            msg = outbox.get()
             try:
                 conn.send(msg)
             except (BrokenPipeError, EOFError, OSError):  # the engine is gone; the reader reports it
@@ -296,9 +356,10 @@ class AsyncLLM:
                 conn.close()
                 return
 
-    def _read_loop(self) -> None:
-        """Reader thread: forward each message to the event loop; report the process's end."""
-        conn, sentinel = self._conn, self._proc.sentinel
+    def _read_loop(self, conn, proc) -> None:
+        """Reader thread of one engine process: forward each message to the event loop, then
+        report the process's end."""
+        sentinel = proc.sentinel
         while True:
             ready = mp.connection.wait([conn, sentinel])
             if conn not in ready:
@@ -307,10 +368,10 @@ class AsyncLLM:
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
-            if not self._call_soon(self._on_message, msg):
+            if not self._call_soon(self._on_message, msg, proc):
                 return
-        self._proc.join(timeout=1.0)  # reap it, so its exit code is known
-        self._call_soon(self._on_exit)
+        proc.join(timeout=1.0)  # reap it, so its exit code is known
+        self._call_soon(self._on_exit, proc)
 
     def _call_soon(self, fn, *args) -> bool:
         try:
@@ -319,21 +380,31 @@ class AsyncLLM:
         except RuntimeError:  # the event loop is closed: the server is gone
             return False
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, proc) -> None:
+        if proc is not self._proc:  # the last words of an engine already replaced
+            return
         self.last_report = time.monotonic()
         if isinstance(msg, StepResult):
+            if msg.iteration_tokens:
+                self._last_progress = self.last_report
             self._on_step(msg)
         elif isinstance(msg, Ready):
             self.info = msg
             self.max_model_len = msg.max_model_len
-            if self.state == "starting":
+            restarted = self.state == "restarting"
+            if self.state in ("starting", "restarting"):
                 self.state = "ready"
+                self.error = None
             log.info("engine process %d ready: %s on %s/%s in %.1fs", msg.pid, self.config.model, msg.device, msg.dtype, msg.load_time_s)
+            if restarted:
+                self._resubmit_all()
+            self._last_progress = time.monotonic()
             self._ready.set()
         elif isinstance(msg, Failed):
             self.state, self.error = "failed", msg.error
             log.error("engine failed to start: %s", msg.error)
             self._ready.set()
+            self._fail_all(EngineDeadError(f"the engine is unavailable ({msg.error})"))
 
     def _on_step(self, msg: StepResult) -> None:
         self.stats = msg.stats
@@ -361,15 +432,83 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(out)
 
-    def _on_exit(self) -> None:
-        code = self._proc.exitcode if self._proc else None
-        if self.state not in ("stopped", "failed"):
-            self.state = "dead"
-            self.error = f"engine process exited with code {code}"
-            log.error("%s; failing %d in-flight requests", self.error, len(self._streams))
-        self._ready.set()
+    def _on_exit(self, proc) -> None:
+        if proc is not self._proc:
+            return
         self._outbox.put(Shutdown())  # let the writer thread end
-        self._fail_all(EngineDeadError(f"the engine is unavailable ({self.error or self.state})"))
+        if self.state in ("stopped", "failed"):
+            self._ready.set()
+            self._fail_all(EngineDeadError(f"the engine is unavailable ({self.error or self.state})"))
+            return
+        reason, words = ("stall", f"the engine stalled (no step for {self.restart_policy.stall_s:g}s)") if self._stalled else exit_reason(proc.exitcode)
+        self._engine_lost(reason, words)
+
+    def _engine_lost(self, reason: str, words: str) -> None:
+        """Restart after the back-off when the budget allows; else the model is failed."""
+        delay = self._budget.next_delay(time.monotonic()) if self.restart_policy.max_restarts else None
+        if delay is None:
+            self.state = "dead" if not self.restart_policy.max_restarts else "failed"
+            self.error = words if not self.restart_policy.max_restarts else (
+                f"{words}; restarted {self._budget.recent} times in {self.restart_policy.window_s:g}s, not again"
+            )
+            log.error("%s; failing %d in-flight requests", self.error, len(self._streams))
+            self._ready.set()
+            self._fail_all(EngineDeadError(f"the engine is unavailable ({self.error})"))
+            return
+        self.state = "restarting"
+        self.error = words
+        self.restarts[reason] = self.restarts.get(reason, 0) + 1
+        self._ready.clear()
+        log.warning(
+            "%s; restarting it in %.1fs (restart %d of at most %d in %gs); %d requests will resume",
+            words, delay, self._budget.recent, self.restart_policy.max_restarts, self.restart_policy.window_s,
+            len(self._submissions),
+        )
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.ensure_future(self._restart_after(delay)))
+
+    async def _restart_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.state != "restarting":
+            return
+        self._attempt += 1
+        self._start_reader(self._spawn())
+
+    def _resubmit_all(self) -> None:
+        """Every unfinished request goes to the new engine with the tokens it produced, which
+        count as output: it goes on where it stopped (a greedy one exactly as if nothing happened)."""
+        requests = []
+        for request_id, state in self._processor.requests.items():
+            sub = self._submissions.get(request_id)
+            if sub is None:
+                continue
+            for i, cand in enumerate(state.candidates):
+                if cand.out.finished:
+                    continue
+                requests.append(
+                    EngineCoreRequest(
+                        cand.seq_id, sub.prompt_ids, child_params(sub.params, i), sub.arrival, sub.tenant,
+                        quota=sub.quota, output_token_ids=list(cand.out.token_ids),
+                    )
+                )
+        if requests:
+            log.info("resubmitted %d sequences to the new engine", len(requests))
+            self._send(AddRequests(requests))
+
+    async def _watch_for_stalls(self) -> None:
+        """Kill an engine that has work and finishes no step for ``stall_s`` (a hang in a kernel,
+        a deadlock): the exit handler then restarts it like a crash."""
+        period = min(1.0, self.restart_policy.stall_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if self.state != "ready" or not self._submissions or self._proc is None:
+                continue
+            silent = time.monotonic() - self._last_progress
+            if silent > self.restart_policy.stall_s and not self._stalled:
+                log.error("engine process %s finished no step for %.0fs with %d requests waiting; killing it",
+                          self._proc.pid, silent, len(self._submissions))
+                self._stalled = True
+                self._proc.kill()
 
     def _fail_all(self, error: Exception) -> None:
         for stream in self._streams.values():

@@ -143,7 +143,8 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(
             seq_id=req.request_id,
-            token_ids=req.prompt_token_ids,
+            token_ids=req.prompt_token_ids + req.output_token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
             params=req.params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=req.arrival_time,
@@ -153,7 +154,7 @@ class EngineCore:
             quota=req.quota,
         )
         if req.params.structured_output is not None:
-            self._structured().add(req.request_id, req.params.structured_output)
+            self._structured().add(req.request_id, req.params.structured_output, replay=req.output_token_ids)
         self.seqs[req.request_id] = seq
         leader = self.seqs.get(req.fork_of) if req.fork_of else None
         if not self.forks.hold(seq, leader):

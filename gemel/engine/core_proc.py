@@ -65,8 +65,11 @@ class StepResult:
     iteration_tokens: list[int] = field(default_factory=list)  # tokens of each step run since the last message
 
 
-def run_engine_core(config: dict[str, Any], input_conn: Any, output_conn: Any, stats_interval_s: float, log_level: str) -> None:
-    """Child-process entry point (spawn context): load the model, then serve steps until Shutdown."""
+def run_engine_core(
+    config: dict[str, Any], input_conn: Any, output_conn: Any, stats_interval_s: float, log_level: str, attempt: int = 0
+) -> None:
+    """Child-process entry point (spawn context): load the model, then serve steps until Shutdown.
+    ``attempt`` counts the engine processes started before this one for the same model."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
     parent = os.getppid()
@@ -97,7 +100,32 @@ def run_engine_core(config: dict[str, Any], input_conn: Any, output_conn: Any, s
             pid=os.getpid(),
         )
     )
-    EngineLoop(core, input_conn, output_conn, stats_interval_s, parent, threads=adaptive_threads(core, parent)).run()
+    fault = parse_fault(engine_config.fault_injection) if attempt == 0 else None
+    EngineLoop(core, input_conn, output_conn, stats_interval_s, parent, threads=adaptive_threads(core, parent), fault=fault).run()
+
+
+FAULT_ENV = "GEMEL_FAULT_INJECTION"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failure the engine injects into itself so tests can watch it recover."""
+
+    kind: str  # "crash": the process dies as under kill -9; "stall": it stops stepping
+    after_steps: int
+
+
+def parse_fault(spec: str | None) -> Fault | None:
+    """``engine.fault_injection`` ("crash_after_steps=N" or "stall_after_steps=N"), honoured
+    only when $GEMEL_FAULT_INJECTION is 1, so a configuration file can never do it alone."""
+    if not spec or os.environ.get(FAULT_ENV) != "1":
+        return None
+    name, _, value = spec.partition("=")
+    kinds = {"crash_after_steps": "crash", "stall_after_steps": "stall"}
+    if name not in kinds or not value.isdigit():
+        raise ValueError(f"fault_injection: expected crash_after_steps=N or stall_after_steps=N, got {spec!r}")
+    log.warning("fault injection on: %s", spec)
+    return Fault(kinds[name], int(value))
 
 
 def _cores() -> int:
@@ -119,8 +147,9 @@ def adaptive_threads(core: Any, front_end_pid: int) -> Any:
 
 class EngineLoop:
     def __init__(self, core: Any, input_conn: Any, output_conn: Any, stats_interval_s: float, parent_pid: int,
-                 threads: Any = None):
+                 threads: Any = None, fault: Fault | None = None):
         self.core = core
+        self.fault = fault
         self.threads = threads  # AdaptiveThreads, or None: the thread count stays as configured
         self.input_conn = input_conn
         self.output_conn = output_conn
@@ -147,6 +176,8 @@ class EngineLoop:
                 outputs = self.core.step()
                 if getattr(self.core, "num_steps", 0) != steps:
                     iteration_tokens.append(self.core.last_step_tokens)
+                    if self.fault is not None and self.core.num_steps >= self.fault.after_steps:
+                        self._inject(self.fault)
             now = time.monotonic()
             if outputs or rejected or changed or now - last_sent >= self.stats_interval_s:
                 try:
@@ -155,6 +186,14 @@ class EngineLoop:
                     return
                 iteration_tokens = []
                 last_sent = now
+
+    @staticmethod
+    def _inject(fault: Fault) -> None:
+        log.warning("fault injection: %s now", fault.kind)
+        if fault.kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # a stall: alive, silent, stepping nothing
+            time.sleep(3600)
 
     def _receive(self, block: bool) -> list:
         """Every message waiting now; when idle, wait (up to the stats interval) for the first."""

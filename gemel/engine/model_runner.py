@@ -212,6 +212,13 @@ class ModelRunner:
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seq.params.seed)
+            # A sequence resumed after an engine restart arrives with output tokens already:
+            # draw what their sampling drew (one float32 exponential per vocabulary entry each,
+            # as the sampler does), so its next tokens are the ones an uninterrupted run samples.
+            if seq.num_output_tokens:
+                scratch = torch.empty(self.arch.vocab_size, dtype=torch.float32, device=self.device)
+                for _ in range(seq.num_output_tokens):
+                    scratch.exponential_(generator=gen)
             self.generators[seq.seq_id] = gen
         return gen
 

@@ -24,6 +24,9 @@ class EngineCoreRequest:
     tenant: str = ""
     fork_of: str | None = None  # candidate i > 0 of an n-request: share candidate 0's prompt KV
     quota: TenantQuota | None = None
+    # Tokens the request generated already, in an engine that died: they count as output (for
+    # max_tokens, penalties, seeds and grammars), so the request goes on where it stopped.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -86,6 +86,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self.matchers: dict[str, object] = {}
         self.pending: dict[str, Future] = {}
+        self.replay: dict[str, list[int]] = {}  # output tokens to feed a resumed sequence's new matcher
 
     def _template(self, spec: StructuredOutputSpec) -> Future:
         with self._lock:
@@ -95,8 +96,12 @@ class StructuredOutputManager:
                 self._templates[spec] = fut
             return fut
 
-    def add(self, seq_id: str, spec: StructuredOutputSpec) -> None:
+    def add(self, seq_id: str, spec: StructuredOutputSpec, replay: list[int] | None = None) -> None:
+        """Constrain ``seq_id``; ``replay`` are output tokens it produced already (a request
+        resumed after an engine restart), fed to its matcher once the grammar is built."""
         self.pending[seq_id] = self._template(spec)
+        if replay:
+            self.replay[seq_id] = list(replay)
 
     def is_ready(self, seq_id: str) -> bool:
         """False while the sequence's grammar is still being built (the scheduler waits)."""
@@ -106,7 +111,9 @@ class StructuredOutputManager:
         if not fut.done():
             return False
         del self.pending[seq_id]
-        self.matchers[seq_id] = fut.result().deep_copy()
+        matcher = self.matchers[seq_id] = fut.result().deep_copy()
+        for token_id in self.replay.pop(seq_id, ()):
+            matcher.consume_token(token_id)
         return True
 
     def wait_any(self, timeout: float) -> None:
@@ -116,6 +123,7 @@ class StructuredOutputManager:
 
     def remove(self, seq_id: str) -> None:
         self.pending.pop(seq_id, None)
+        self.replay.pop(seq_id, None)
         self.matchers.pop(seq_id, None)
 
     def apply_mask(self, logits: torch.Tensor, seq_ids: list[str]) -> None:

@@ -187,7 +187,10 @@ class EngineStatsCollector(Collector):
             "spec_decode_num_accepted_tokens_per_pos", "Speculative tokens accepted, by draft position.",
             ("model_name", "position"),
         )  # fmt: skip
+        c_restarts = c("engine_restarts", "Engine processes started again after a crash, a kill or a stall.", ("model_name", "reason"))
         for model, engine in self.engines():
+            for reason, n in getattr(engine, "restarts", {}).items():
+                c_restarts.add_metric([model, reason], n)
             s = engine.stats
             g_running.add_metric([model], s.num_running)
             g_waiting.add_metric([model], s.num_waiting)
@@ -201,7 +204,10 @@ class EngineStatsCollector(Collector):
             c_accepted.add_metric([model], s.spec_num_accepted_tokens)
             for pos, n in enumerate(s.spec_accepted_per_position):
                 c_per_pos.add_metric([model, str(pos)], n)
-        yield from (g_running, g_waiting, g_kv, g_up, c_preempt, c_queries, c_hits, c_drafts, c_draft_tokens, c_accepted, c_per_pos)
+        yield from (
+            g_running, g_waiting, g_kv, g_up, c_preempt, c_queries, c_hits, c_drafts, c_draft_tokens, c_accepted, c_per_pos,
+            c_restarts,
+        )
 
 
 # The gateway's rejection counters: (attribute on GatewayCounters, metric name, second label).

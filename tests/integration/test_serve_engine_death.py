@@ -1,4 +1,6 @@
-"""A killed engine process: /readyz fails and requests answer 503 UNAVAILABLE at once, never hang.
+"""A killed engine process with restarting off: /readyz fails and requests answer 503
+UNAVAILABLE at once, never hang. (With restarting on, the default, see
+test_engine_restart_serve.py.)
 
 Uses its own server instance, since it breaks it.
 """
@@ -24,7 +26,8 @@ MODEL = "gemini-2.0-flash"
 
 @pytest.fixture(scope="module")
 def doomed(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("doomed"), name="doomed", extra_config="embeddings: null\n")
+    no_restarts = "embeddings: null\nserver:\n  stats_interval_s: 0.2\n  log_level: warning\n  engine_max_restarts: 0\n"
+    srv = start_server(tmp_path_factory.mktemp("doomed"), name="doomed", extra_config=no_restarts)
     yield srv
     srv.stop()
 
