@@ -1,4 +1,4 @@
-"""The ``gemel`` command: ``serve``, ``generate`` and the tools built on them."""
+"""The ``gemel`` command: ``serve``, ``generate`` and the tools built on them (``info``, ``verify``, ``keys``, ``bench``)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="CPU, instruction-set level, threads, kernel plan and kernel cache")
     add_info_arguments(info)
     info.set_defaults(func=run_info)
+
+    from gemel.loader.integrity import add_verify_arguments, run_verify
+
+    verify = sub.add_parser(
+        "verify",
+        help="check weight files: chunked SHA-256 (64 MiB chunks) against the package RECORD or a manifest",
+        description="Check every weight file of each model: SHA-256 of the whole file and of each chunk (64 MiB by "
+        "default), against the pip RECORD of a packaged model's distribution or the manifest of a file or directory "
+        "(write one with --write-manifest). With no model named, every model of the catalogue (--config) is checked. "
+        "Exit status: 0 intact; 1 a file differs or is missing (the byte range of each bad chunk is named where chunk "
+        "digests are known); 2 nothing to check against (unknown model, missing path, no manifest).",
+    )
+    add_verify_arguments(verify)
+    verify.set_defaults(func=run_verify)
 
     from gemel.gateway.cli import add_keys_arguments  # gemel keys create | ed25519 | set | list | revoke
 
