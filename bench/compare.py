@@ -1,4 +1,4 @@
-"""gemel against llama.cpp's server, alternately, in one run (issue 4).
+"""gemel against llama.cpp's server, alternately, in one run.
 
 Starts (or is given the URLs of) gemel and the llama.cpp peer on the same GGUF file, then runs the
 same ``gemel.benchmark.serve`` workload against each in turn (gemel, peer, gemel, peer, ... for

@@ -1,4 +1,4 @@
-"""What the prefix cache costs when nothing hits (issue 4: under 3% throughput).
+"""What the prefix cache costs when nothing hits (the aim: under 3% of throughput).
 
 Starts two ``gemel serve`` instances on the same GGUF, one with ``enable_prefix_caching``
 on (the default) and one with it off, and runs the random dataset (every prompt with a

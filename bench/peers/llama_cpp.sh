@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and start llama.cpp's server as the benchmark peer (issue 4).
+# Build and start llama.cpp's server as the benchmark peer.
 #
 # The llama.cpp sources come from the PyPI sdist of llama-cpp-python (vendor/llama.cpp);
 # the build lives in a cache directory outside the repository and is reused when present.
