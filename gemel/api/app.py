@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from gemel import __version__
 from gemel.api import gemini, health, model_list, openai_api
+from gemel.api.drain import Drain, DrainMiddleware
 from gemel.api.errors import install_error_handlers
 from gemel.api.middleware import ResponseHeadersMiddleware
 from gemel.api.state import ServerState
@@ -56,6 +57,8 @@ def create_app(config: GemelConfig | None = None, grpc: bool = False) -> FastAPI
     app.state.gateway = gateway
     app.state.gateway_counters = gateway.counters  # every rejection per tenant and reason
     app.add_middleware(GatewayMiddleware, gateway=gateway)  # inside the response-headers middleware
+    app.state.drain = Drain(state.config.server.drain_timeout_s)  # begun by gemel serve's signal handler
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)  # outside the gateway: refusals need no admission
     app.add_middleware(
         ResponseHeadersMiddleware, default_model_id=state.default.id, default_model_version=state.default.version
     )

@@ -26,6 +26,8 @@ metrics and traces.
   and ``traceparent``; trailing metadata ``x-inference-latency-ms`` (and ``retry-after``
   on RESOURCE_EXHAUSTED / UNAVAILABLE).
 * Reflection: served from gemel's own descriptor pool (``gemel.api.grpc_service``).
+* Shutdown: while ``gemel serve`` drains (``gemel.api.drain``), new calls end UNAVAILABLE
+  with ``retry-after`` and running ones count towards the drain.
 """
 
 from __future__ import annotations
@@ -241,6 +243,7 @@ class GrpcSurface:
         self.gateway = getattr(app.state, "gateway", None)
         obs = getattr(app.state, "observability", None)
         self.tracing = getattr(obs, "tracing", None)
+        self.drain = getattr(app.state, "drain", None)  # gemel.api.drain: refuse new calls while shutting down
 
     # -- plumbing ---------------------------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -289,7 +292,11 @@ class GrpcSurface:
 
     async def _unary(self, method: str, raw: bytes, context: grpc.aio.ServicerContext, body: Callable) -> Any:
         call = Call(self, context, method)
+        counted = False
         try:
+            if self.drain is not None:
+                self.drain.enter()  # UNAVAILABLE while draining
+                counted = True
             result = await body(call, raw)
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed
             call.cancelled()
@@ -297,6 +304,8 @@ class GrpcSurface:
         except Exception as e:
             await call.fail(e)
         finally:
+            if counted:
+                self.drain.exit()
             await self.release(call)
         call.succeed()
         return result
@@ -329,7 +338,11 @@ class GrpcSurface:
         call = Call(self, context, "StreamGenerateContent")
         gen: Generation | None = None
         outputs = None
+        counted = False
         try:
+            if self.drain is not None:
+                self.drain.enter()  # UNAVAILABLE while draining
+                counted = True
             gen, _ = await self._start_generation(call, raw, "StreamGenerateContent")
             builder = response_builder(gen)
             outputs = gen.outputs()
@@ -352,6 +365,8 @@ class GrpcSurface:
         finally:
             if outputs is not None:
                 await outputs.aclose()
+            if counted:
+                self.drain.exit()
             await self.release(call)
         call.succeed()
 

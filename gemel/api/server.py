@@ -13,6 +13,8 @@ import sys
 
 from gemel.config import GemelConfig, default_model_entry, load_config
 
+SHUTDOWN_GRACE_S = 5.0
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="gemel.yaml (see docs/configuration.md); defaults serve without one")
@@ -27,6 +29,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", metavar="PATH", help="tenants file: API keys, signing keys, limits (see `gemel keys`)")
     parser.add_argument(
         "--insecure", action="store_true", help="allow serving without authentication on a non-loopback address"
+    )
+    parser.add_argument("--ssl-certfile", metavar="PATH", help="PEM certificate chain: serve HTTPS (with --ssl-keyfile)")
+    parser.add_argument("--ssl-keyfile", metavar="PATH", help="PEM private key of --ssl-certfile")
+    parser.add_argument(
+        "--verify-weights", choices=["off", "fast", "full"],
+        help="check weight files before serving: fast (default) hashes on first sight or when a file's size/mtime "
+        "changed, full on every start, off never (see gemel verify)",
     )
 
 
@@ -52,6 +61,11 @@ def apply_overrides(config: GemelConfig, args: argparse.Namespace) -> GemelConfi
         data["gateway"]["tenants_file"] = os.path.abspath(args.tenants)
     if getattr(args, "insecure", False):
         data["gateway"]["insecure"] = True
+    for name in ("ssl_certfile", "ssl_keyfile"):
+        if getattr(args, name, None):
+            data["server"][name] = os.path.abspath(os.path.expanduser(getattr(args, name)))
+    if getattr(args, "verify_weights", None):
+        data["server"]["verify_weights"] = args.verify_weights
     if args.model:
         first = data["models"][0]
         if first["id"] == config.engine.model and first["source"] == config.engine.model:
@@ -103,6 +117,42 @@ def port_unavailable(host: str, port: int) -> str | None:
     return None
 
 
+def resolve_server_paths(config: GemelConfig, config_path: str | None) -> GemelConfig:
+    """The REST TLS files of a config file are relative to that file, as the gRPC ones,
+    so a config works wherever ``gemel serve`` is started from."""
+    if config_path is None:
+        return config
+    base = os.path.dirname(os.path.abspath(config_path))
+    for name in ("ssl_certfile", "ssl_keyfile"):
+        value = getattr(config.server, name)
+        if value:
+            setattr(config.server, name, os.path.join(base, os.path.expanduser(value)))
+    return config
+
+
+def tls_problem(config: GemelConfig) -> str | None:
+    """Why the HTTPS settings cannot serve (one file without the other, a file that cannot
+    be read or does not hold a matching certificate and key), or None; checked before binding."""
+    s = config.server
+    if bool(s.ssl_certfile) != bool(s.ssl_keyfile):
+        return (
+            "server.ssl_certfile and server.ssl_keyfile (--ssl-certfile, --ssl-keyfile) go together: "
+            "set both or neither"
+        )
+    if not s.ssl_certfile:
+        return None
+    for what, path in (("certificate", s.ssl_certfile), ("key", s.ssl_keyfile)):
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            return f"TLS {what} file {path} is missing or unreadable"
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(s.ssl_certfile, s.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        return f"TLS files {s.ssl_certfile} and {s.ssl_keyfile} are unusable: {e}"
+    return None
+
+
 def grpc_problem(config: GemelConfig) -> str | None:
     """Why the gRPC listener cannot serve as configured (its address or TLS files), or None."""
     g = config.grpc
@@ -140,15 +190,16 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gemel.api.app import create_app
+    from gemel.api.drain import DrainingServer
     from gemel.loader.sources import ModelNotFound
     from gemel.observability.tracing import OTLPExporterMissing
 
     try:
-        config = apply_overrides(load_config(args.config), args)
+        config = apply_overrides(resolve_server_paths(load_config(args.config), args.config), args)
     except (OSError, ValueError) as e:
         print(f"gemel serve: bad configuration: {e}", file=sys.stderr)
         return 2
-    problem = gateway_problem(config) or grpc_problem(config)
+    problem = tls_problem(config) or gateway_problem(config) or grpc_problem(config)
     if problem:
         print(f"gemel serve: {problem}", file=sys.stderr)
         return 2
@@ -159,13 +210,24 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ModelNotFound, OTLPExporterMissing) as e:
         print(f"gemel serve: {e}", file=sys.stderr)
         return 2
+    s = config.server
+    scheme = "https" if s.ssl_certfile else "http"
+    host = f"[{s.host}]" if ":" in s.host else s.host
     logging.getLogger("gemel").info(
-        "serving %s on http://%s:%d", ", ".join(m.id for m in app.state.gemel.models), config.server.host, config.server.port
+        "serving %s on %s://%s:%d", ", ".join(m.id for m in app.state.gemel.models), scheme, host, s.port
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=level, timeout_graceful_shutdown=10)
+    uv_config = uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port,
+        log_level=level,
+        ssl_certfile=s.ssl_certfile,
+        ssl_keyfile=s.ssl_keyfile,
+        # After the drain (gemel.api.drain) only requests past drain_timeout_s remain; they
+        # get this long more, then are cancelled (which aborts them in the engine).
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    server.run()
+    DrainingServer(uv_config, app.state.drain).run()
     return 0
 
 
