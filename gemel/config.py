@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -27,6 +27,16 @@ DEFAULT_EMBEDDING_ALIASES = [
     "text-embedding-3-small",
     "text-embedding-ada-002",
 ]
+
+
+class KVOffloadConfig(BaseModel):
+    """Where prefix blocks evicted from the KV pool live on: host memory, then disk."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpu_mb: int = Field(512, ge=0, description="host-memory tier; 0 = off")
+    disk_dir: str | None = Field(None, description="disk tier directory (kept across restarts); null = off")
+    disk_gb: float = Field(4.0, gt=0, description="size bound of the disk tier")
 
 
 class EngineConfig(BaseModel):
@@ -125,6 +135,10 @@ class EngineConfig(BaseModel):
     draft_layers: int = Field(8, ge=1, description="layers of the target used as the self-speculative draft")
     num_threads: int | None = Field(None, ge=1, description="CPU threads; unset: all cores (under gemel serve, one fewer while other processes keep them busy)")
     seed: int = Field(0, description="seed of the generator shared by unseeded sampling requests")
+    kv_offload: KVOffloadConfig | None = Field(
+        default_factory=KVOffloadConfig,
+        description="tiers behind the prefix cache: evicted blocks kept in host memory and on disk; null = off",
+    )
     fault_injection: str | None = Field(
         None,
         description="testing only, honoured when $GEMEL_FAULT_INJECTION=1: 'crash_after_steps=N' or "
@@ -266,6 +280,16 @@ class GatewayConfig(BaseModel):
         description="paths served without credentials (and without limits)",
     )
     reload_interval_s: float = Field(1.0, gt=0, description="how often the tenants file is checked for changes")
+    redis_url: str | None = Field(
+        None,
+        description="redis://host:port/db holding the rate limits' token buckets, shared by every front end and "
+        "replica; null: each process keeps its own",
+    )
+    redis_unavailable: Literal["local", "deny"] = Field(
+        "local",
+        description="when Redis cannot be reached: local (each front end enforces the limits on its own) or deny "
+        "(503 with Retry-After for requests that need a limit)",
+    )
 
 
 class GrpcConfig(BaseModel):
@@ -288,6 +312,95 @@ class GrpcConfig(BaseModel):
         return self
 
 
+class RouteTarget(BaseModel):
+    """One catalogue model behind a route, with its share of the route's requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the id of a generative catalogue model")
+    weight: float = Field(ge=0, description="relative share of the route's requests (0: none)")
+    canary: bool = Field(False, description="judged against the route's slo; rolled back (weight 0) when it breaks it")
+
+
+class RouteSLO(BaseModel):
+    """What a canary target must keep over its last ``window`` requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_p99_ms: float | None = Field(None, gt=0, description="p99 time to the first output, ms; null: not judged")
+    error_rate: float | None = Field(None, ge=0, le=1, description="share of 5xx / engine errors; null: not judged")
+    window: int = Field(50, ge=1, description="the canary's last N requests are judged, once N have been seen")
+
+
+class RouteConfig(BaseModel):
+    """A public model name over weighted catalogue models (``gemel.gateway.routes``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="the model name clients call; must not be a catalogue id or alias")
+    targets: list[RouteTarget] = Field(min_length=1)
+    sticky: Literal["none", "tenant", "user"] = Field(
+        "none", description="tenant / user (OpenAI `user` field or x-gemel-user header): one target per key"
+    )
+    slo: RouteSLO | None = Field(None, description="judged on canary targets; ttft_p99_ms also bounds the predicted TTFT")
+    fallback: str | None = Field(None, description="a generative model id, serving when the chosen target cannot in time")
+
+    @model_validator(mode="after")
+    def _targets(self) -> RouteConfig:
+        models = [t.model for t in self.targets]
+        if len(set(models)) != len(models):
+            raise ValueError(f"route {self.name!r}: a model appears twice in its targets")
+        if sum(t.weight for t in self.targets) <= 0:
+            raise ValueError(f"route {self.name!r}: at least one target needs a weight above 0")
+        return self
+
+
+class SemanticCacheConfig(BaseModel):
+    """Answers for near-duplicate prompts, for the tenants that opt in (``gemel.cache.semantic``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="look up the nearest earlier prompt by its embedding (needs faiss-cpu)")
+    threshold: float = Field(0.95, gt=0, le=1, description="least cosine similarity of the prompt embeddings for a hit")
+    tenants: list[str] = Field(
+        default_factory=list,
+        description="tenant ids or route names that opt in (a near-duplicate question is not the same question)",
+    )
+
+
+class ResponseCacheConfig(BaseModel):
+    """Finished answers of deterministic requests, replayed without the engine (``gemel.cache``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exact: bool = Field(True, description="answer a request equal to an earlier one of the same tenant from the cache")
+    semantic: SemanticCacheConfig = Field(default_factory=SemanticCacheConfig)
+    ttl_s: float = Field(600.0, gt=0, description="how long an answer is kept")
+    max_entries: int = Field(10000, ge=1, description="most answers kept; the least recently used go first")
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="memory: each front end keeps its own; redis: shared by every front end"
+    )
+    redis_url: str | None = Field(None, description="redis://host:port/db of the redis backend; null: gateway.redis_url")
+
+    @model_validator(mode="after")
+    def _packages(self) -> ResponseCacheConfig:
+        from importlib.util import find_spec
+
+        if self.semantic.enabled and find_spec("faiss") is None:
+            raise ValueError("cache.response.semantic needs the faiss-cpu package: pip install 'gemel[cache]'")
+        if self.backend == "redis" and find_spec("redis") is None:
+            raise ValueError("cache.response.backend redis needs the redis package: pip install 'gemel[cache]'")
+        return self
+
+
+class CacheConfig(BaseModel):
+    """Caches in front of the engines; ``response: null`` (the default) turns the response cache off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    response: ResponseCacheConfig | None = None
+
+
 class GemelConfig(BaseModel):
     """Top-level configuration (``gemel serve --config gemel.yaml``)."""
 
@@ -302,6 +415,22 @@ class GemelConfig(BaseModel):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    routes: list[RouteConfig] = Field(
+        default_factory=list, description="public names over weighted models: canaries, stickiness, a fallback"
+    )
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache_off(cls, value):
+        return {} if value is None else value  # `cache: null` is the default: no caches
+
+    @model_validator(mode="after")
+    def _response_cache_store(self) -> GemelConfig:
+        rc = self.cache.response
+        if rc is not None and rc.backend == "redis" and not (rc.redis_url or self.gateway.redis_url):
+            raise ValueError("cache.response.backend redis needs cache.response.redis_url (or gateway.redis_url)")
+        return self
 
     @model_validator(mode="after")
     def _default_catalogue(self) -> GemelConfig:
@@ -314,6 +443,24 @@ class GemelConfig(BaseModel):
                 if name in names:
                     raise ValueError(f"model name {name!r} is used twice in the catalogue")
                 names.add(name)
+        return self
+
+    @model_validator(mode="after")
+    def _check_routes(self) -> GemelConfig:
+        """Route names are new names; their targets and fallback are generative catalogue models."""
+        ids = {m.id for m in self.models}
+        taken = {name for m in self.models for name in [m.id, *m.aliases]}
+        taken |= {self.embeddings.id, *self.embeddings.aliases} if self.embeddings else set()
+        seen: set[str] = set()
+        for route in self.routes:
+            if route.name in taken:
+                raise ValueError(f"route name {route.name!r} is already a model id or alias")
+            if route.name in seen:
+                raise ValueError(f"route name {route.name!r} is used twice")
+            seen.add(route.name)
+            for model in [t.model for t in route.targets] + ([route.fallback] if route.fallback else []):
+                if model not in ids:
+                    raise ValueError(f"route {route.name!r}: {model!r} is not the id of a generative model of the catalogue")
         return self
 
     def engine_config(self, entry: ModelEntry) -> EngineConfig:

@@ -8,8 +8,11 @@ Freed blocks keep their hash in an LRU free queue until the space is needed agai
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from gemel.engine.sequence import Sequence
 
@@ -25,12 +28,33 @@ class Block:
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which served from cache
+    hits: int = 0  # of which served from cache (the pool or the KV tier)
+    tier_hits: int = 0  # blocks loaded back from the KV tier (host memory or disk)
+
+
+class BlockOffload(Protocol):
+    """Where evicted prefix blocks go and come back from (``engine/kv_tier.py``)."""
+
+    def save(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None: ...
+
+    def has(self, block_hash: int) -> bool: ...
+
+    def restore(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> str | None: ...
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt_value(salt: str) -> int:
+    """A tenant's salt as an int. Python's hash of a str changes with every process
+    (PYTHONHASHSEED) while its hash of ints and tuples of ints does not, so with an int salt
+    a block's key is the same in every engine process: the KV tier's disk files stay valid
+    across restarts."""
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str) -> int:
-    """Chained key of one full block. Python hashes ints and tuples deterministically."""
-    return hash((parent_hash, token_ids, salt))
+    """Chained key of one full block, the same in every process (the first block's parent is
+    0, not None, whose hash is its address in Python 3.11)."""
+    return hash((0 if parent_hash is None else parent_hash, token_ids, _salt_value(salt)))
 
 
 class BlockManager:
@@ -45,6 +69,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.stats = PrefixCacheStats()
+        self.offload: BlockOffload | None = None  # the KV tier, when configured (set by the engine)
 
     # -- capacity -------------------------------------------------------------------
     @property
@@ -77,11 +102,39 @@ class BlockManager:
             h = hash_block(parent, tokens, seq.tenant)
             bid = self.hash_to_block.get(h)
             if bid is None or self.blocks[bid].token_ids != tokens:
-                break
+                bid = self._restore(h, tokens, block_ids)
+                if bid is None:
+                    break
+            elif self.blocks[bid].ref_count == 0:
+                self.free_queue.move_to_end(bid)  # about to be used: evict others first
             block_ids.append(bid)
             hashes.append(h)
             parent = h
         return block_ids, hashes
+
+    def _restore(self, block_hash: int, tokens: tuple[int, ...], keep: list[int]) -> int | None:
+        """Load a block the pool lost from the KV tier into a free slot, cached and unowned
+        (the caller's allocation takes it). Never into a slot of ``keep``, the prefix found
+        so far: it must stay while it is being assembled."""
+        if self.offload is None or not self.offload.has(block_hash):
+            return None
+        pinned = sum(1 for b in keep if self.blocks[b].ref_count == 0)
+        if self.num_free_blocks <= pinned:
+            return None
+        bid = self._pop_free_block()
+        if self.offload.restore(bid, block_hash, tokens) is None:
+            self.blocks[bid].ref_count = 0
+            self.free_queue[bid] = None
+            self.free_queue.move_to_end(bid, last=False)
+            return None
+        block = self.blocks[bid]
+        block.ref_count = 0
+        block.block_hash = block_hash
+        block.token_ids = tokens
+        self.hash_to_block[block_hash] = bid
+        self.free_queue[bid] = None  # most recently used end
+        self.stats.tier_hits += 1
+        return bid
 
     def hashes_completed(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Hashes of the full blocks ``seq`` completes when ``num_new_tokens`` more of its tokens
@@ -149,6 +202,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) == bid:
                 del self.hash_to_block[block.block_hash]
+                if self.offload is not None:  # evicted from the pool: the tier keeps it
+                    self.offload.save(bid, block.block_hash, block.token_ids)
             block.block_hash = None
             block.token_ids = ()
         block.ref_count = 1

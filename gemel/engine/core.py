@@ -42,6 +42,7 @@ class EngineCore:
         kv_dtype, num_blocks = self._build_kv_cache()
         self._build_scheduler()
         self._build_runner(num_blocks, kv_dtype)
+        self._build_kv_tier(kv_dtype)
         self.forks = CandidateForks(self.scheduler, self.block_manager, self.runner, self.seqs.get)
         self.spec_stats = SpecStats()
         self.proposer = make_proposer(config, arch.num_layers, self.runner, self.block_manager)
@@ -243,6 +244,7 @@ class EngineCore:
                 continue
             out = outputs.setdefault(seq.seq_id, EngineCoreOutput(seq.seq_id, []))
             out.num_cached_tokens = seq.num_cached_tokens
+            out.num_tier_tokens = seq.num_tier_tokens
             for j, token in enumerate(result.tokens[i]):
                 seq.append_token(token)
                 out.new_token_ids.append(token)
@@ -278,6 +280,35 @@ class EngineCore:
         finally:
             self.block_manager.free(seq)
 
+    def _tier_stats(self) -> dict:
+        tier = self.kv_tier
+        if tier is None:
+            return {}
+        s = tier.stats
+        return {
+            "kv_tier_host_hits": s.host_hits, "kv_tier_disk_hits": s.disk_hits, "kv_tier_bytes_loaded": s.bytes_loaded,
+            "kv_tier_bytes_saved": s.bytes_saved, "kv_tier_bytes_written": s.bytes_written,
+        }  # fmt: skip
+
+    def _build_kv_tier(self, kv_dtype: torch.dtype) -> None:
+        """The host-memory and disk tiers behind the prefix cache, when configured."""
+        self.kv_tier = None
+        off = self.config.kv_offload
+        if off is None or not self.config.enable_prefix_caching or (off.cpu_mb <= 0 and not off.disk_dir):
+            return
+        from gemel.engine.kv_tier import KVOffload, KVTier, fingerprint
+
+        arch = self.loaded.arch
+        key = fingerprint({
+            "model": str(self.loaded.path), "arch": arch.architecture, "layers": arch.num_layers,
+            "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
+            "kv_dtype": str(kv_dtype), "block_size": self.config.block_size, "device_dtype": str(self.dtype),
+            "weights": _file_identity(self.loaded.path), "kernels": self.plan.describe(),
+        })  # fmt: skip
+        self.kv_tier = KVTier(off.cpu_mb << 20, off.disk_dir, int(off.disk_gb * 2**30), key)
+        self.block_manager.offload = KVOffload(self.kv_tier, self.runner)
+        log.info("KV tier: host %d MB, disk %s", off.cpu_mb, f"{off.disk_dir} ({off.disk_gb:g} GB)" if off.disk_dir else "off")
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -295,5 +326,14 @@ class EngineCore:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=list(self.spec_stats.accepted_per_position),
+            **self._tier_stats(),
         )
 
+
+def _file_identity(path: str) -> list:
+    """Size and modification time of a checkpoint (a file or the files of a directory): a
+    block computed from other weights at the same path must not be served."""
+    import os
+
+    files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+    return [(os.path.basename(f), os.path.getsize(f), int(os.path.getmtime(f))) for f in files if os.path.isfile(f)]

@@ -259,6 +259,20 @@ class ModelRunner:
             for cache in layer:
                 cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A copy of one block's KV in every layer, on the CPU: [layers, 2 (K, V), kv_heads,
+        block_size, row] (what the KV tier keeps of a block the pool evicts)."""
+        sl = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        return torch.stack([torch.stack((k[:, sl], v[:, sl])) for k, v in self.kv_caches]).to("cpu", copy=True)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Put a block ``read_block`` copied back into pool slot ``block_id``."""
+        sl = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        data = data.to(self.device)
+        for i, (k, v) in enumerate(self.kv_caches):
+            k[:, sl].copy_(data[i, 0])
+            v[:, sl].copy_(data[i, 1])
+
     def release(self, seq_id: str) -> None:
         self.generators.pop(seq_id, None)
 

@@ -139,6 +139,7 @@ class RequestState:
             _Candidate(i, child_id(request_id, i, params.n), tokenizer, prompt_ids, params) for i in range(params.n)
         ]
         self.num_cached_tokens = 0
+        self.num_tier_tokens = 0  # of the cached prompt tokens, loaded back from the KV tier
         self.metrics: dict[str, float] = {"arrival": time.monotonic()}
         self.first_token_ts: float | None = None  # the step that gave the first token of any candidate
         self.observer_handles: list = []  # what each EngineObserver.begin_request returned
@@ -157,6 +158,7 @@ class RequestState:
             num_prompt_tokens=len(self.prompt_ids),
             num_generation_tokens=sum(len(c.out.token_ids) for c in self.candidates),
             num_cached_tokens=self.num_cached_tokens,
+            num_tier_tokens=self.num_tier_tokens,
             num_preemptions=int(m.get("num_preemptions", 0)),
             scheduled=m.get("scheduled"),
             first_token=first,
@@ -246,6 +248,7 @@ class OutputProcessor:
                 if name == "preempted":
                     state.metrics["num_preemptions"] = state.metrics.get("num_preemptions", 0) + 1
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            state.num_tier_tokens = max(state.num_tier_tokens, out.num_tier_tokens)
             cand = state.candidates[index]
             if cand.out.finished:
                 continue

@@ -40,6 +40,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
+    num_tier_tokens: int = 0  # of the cached ones, loaded back from the KV tier
     events: list[tuple[str, float]] = field(default_factory=list)  # ("scheduled"|"preempted"|..., t)
 
 
@@ -59,3 +60,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    kv_tier_host_hits: int = 0  # blocks loaded back from the KV tier's host memory
+    kv_tier_disk_hits: int = 0  # and from its disk
+    kv_tier_bytes_loaded: int = 0
+    kv_tier_bytes_saved: int = 0  # copied out of the pool into host memory
+    kv_tier_bytes_written: int = 0  # written to disk

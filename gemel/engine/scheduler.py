@@ -165,7 +165,11 @@ class Scheduler:
             cached_ids: list[int] = []
             cached_hashes: list[int] = []
             if seq.num_computed_tokens == 0:
+                tier_hits = self.block_manager.stats.tier_hits
                 cached_ids, cached_hashes = self.block_manager.find_cached_prefix(seq)
+                restored = self.block_manager.stats.tier_hits - tier_hits
+                if restored:  # loaded back from the KV tier for this sequence
+                    seq.num_tier_tokens = restored * self.block_manager.block_size
                 if completing and self.block_manager.first_uncached_hash(seq, cached_hashes) in completing:
                     continue  # another prompt computes its next block this step: reuse it next step
             num_cached = len(cached_ids) * self.block_manager.block_size

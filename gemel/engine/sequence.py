@@ -44,6 +44,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_tier_tokens: int = 0  # of which loaded back from the KV tier (host memory or disk)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of this seq's full blocks
     status: SequenceStatus = SequenceStatus.WAITING

@@ -188,6 +188,9 @@ class EngineStatsCollector(Collector):
             ("model_name", "position"),
         )  # fmt: skip
         c_restarts = c("engine_restarts", "Engine processes started again after a crash, a kill or a stall.", ("model_name", "reason"))
+        c_tier_hits = c("kv_tier_hits", "Prefix blocks loaded back from the KV tier instead of recomputed.", ("model_name", "tier"))
+        c_tier_bytes = c("kv_tier_bytes", "Bytes moved by the KV tier: saved from the pool, written to disk, loaded back.",
+                         ("model_name", "direction"))
         for model, engine in self.engines():
             for reason, n in getattr(engine, "restarts", {}).items():
                 c_restarts.add_metric([model, reason], n)
@@ -197,6 +200,12 @@ class EngineStatsCollector(Collector):
             g_kv.add_metric([model], s.kv_cache_usage)
             g_up.add_metric([model], 1.0 if engine.state == "ready" else 0.0)
             c_preempt.add_metric([model], s.num_preemptions)
+            if s.kv_tier_bytes_saved or s.kv_tier_bytes_written or s.kv_tier_bytes_loaded:
+                c_tier_hits.add_metric([model, "host"], s.kv_tier_host_hits)
+                c_tier_hits.add_metric([model, "disk"], s.kv_tier_disk_hits)
+                for direction, n in (("saved", s.kv_tier_bytes_saved), ("written", s.kv_tier_bytes_written),
+                                     ("loaded", s.kv_tier_bytes_loaded)):
+                    c_tier_bytes.add_metric([model, direction], n)
             c_queries.add_metric([model], s.prefix_cache_queries)
             c_hits.add_metric([model], s.prefix_cache_hits)
             c_drafts.add_metric([model], s.spec_num_drafts)
@@ -206,7 +215,7 @@ class EngineStatsCollector(Collector):
                 c_per_pos.add_metric([model, str(pos)], n)
         yield from (
             g_running, g_waiting, g_kv, g_up, c_preempt, c_queries, c_hits, c_drafts, c_draft_tokens, c_accepted, c_per_pos,
-            c_restarts,
+            c_restarts, c_tier_hits, c_tier_bytes,
         )
 
 
@@ -259,6 +268,28 @@ class GatewayCollector(Collector):
             for (tenant, reason), n in _counter_items(snapshot.get(attr)):
                 family.add_metric([tenant, reason], n)
             yield family
+
+
+class ResponseCacheCollector(Collector):
+    """``gemel:response_cache_requests_total{kind,result}`` (kind exact|semantic, result
+    hit|miss|bypass) from the response cache's counts, read at scrape time; empty while the
+    cache is off. ``cache`` returns the ``gemel.cache.response.ResponseCache`` or None."""
+
+    def __init__(self, cache: Callable[[], Any]):
+        self.cache = cache
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = CounterMetricFamily(
+            PREFIX + "response_cache_requests", "Response cache lookups, by kind (exact, semantic) and result (hit, miss, bypass).",
+            labels=["kind", "result"],
+        )  # fmt: skip
+        cache = self.cache()
+        for (kind, result), n in dict(getattr(cache, "counts", None) or {}).items():
+            family.add_metric([kind, result], n)
+        yield family
 
 
 def find_gateway_counters(*holders: Any) -> Any:

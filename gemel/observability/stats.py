@@ -46,6 +46,7 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_cached_tokens: int = 0
+    num_tier_tokens: int = 0  # of the cached ones, loaded back from the KV tier
     num_preemptions: int = 0
     scheduled: float | None = None  # engine stamps (monotonic); None when it never got there
     first_token: float | None = None

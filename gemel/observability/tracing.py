@@ -225,6 +225,8 @@ class TracingObserver(EngineObserver):
             if name == "prefill":
                 child.set_attribute("gemel.prompt_tokens", fs.num_prompt_tokens)
                 child.set_attribute("gemel.cached_tokens", fs.num_cached_tokens)
+                if fs.num_tier_tokens:  # where the cached prefix came from
+                    child.set_attribute("gemel.kv_tier_tokens", fs.num_tier_tokens)
             elif name == "decode":
                 child.set_attribute("gemel.output_tokens", fs.num_generation_tokens)
             child.end(end_time=_mono_to_epoch_ns(max(start, stop), offset_ns))
