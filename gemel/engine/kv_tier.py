@@ -2,7 +2,7 @@
 
 The prefix cache keeps a computed block findable only while its pool slot is not needed
 for something else. With a tier, a full block the pool evicts is copied to host memory
-(``cpu_mb``, LRU) and, when that is full, to files in ``disk_dir`` (``disk_gb``, LRU), keyed
+(``cpu_mb``, LRU) and written through to files in ``disk_dir`` (``disk_gb``, LRU), keyed
 by the same hash chain as the prefix cache (tenant salt included). A later prompt whose
 leading blocks miss the pool but hit the tier loads them back instead of recomputing them,
 and the disk tier outlives the engine and ``gemel serve``: a returning long conversation or
@@ -108,10 +108,12 @@ class KVTier:
 
     # -- saving ------------------------------------------------------------------------------------
     def put(self, block_hash: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
-        """Keep an evicted block (``data`` is a copy the tier owns)."""
+        """Keep an evicted block (``data`` is a copy the tier owns). The disk gets it at once
+        too (written through, in the background), so what host memory holds when the process
+        ends is not lost to the next one."""
         self.stats.bytes_saved += data.nbytes
+        self._to_disk(block_hash, token_ids, data)
         if self.cpu_bytes <= 0:
-            self._to_disk(block_hash, token_ids, data)
             return
         old = self.host.pop(block_hash, None)
         if old is not None:
@@ -119,9 +121,8 @@ class KVTier:
         self.host[block_hash] = (token_ids, data)
         self.host_used += data.nbytes
         while self.host_used > self.cpu_bytes and self.host:
-            h, (tokens, evicted) = self.host.popitem(last=False)
+            _, (_, evicted) = self.host.popitem(last=False)
             self.host_used -= evicted.nbytes
-            self._to_disk(h, tokens, evicted)
 
     def _to_disk(self, block_hash: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
         if self.dir is None or self.disk_bytes <= 0:

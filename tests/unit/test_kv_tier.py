@@ -20,7 +20,7 @@ def _block(seed: int) -> torch.Tensor:
     return torch.randn(2, 2, 1, 4, 8, generator=torch.Generator().manual_seed(seed))  # 512 bytes of float32
 
 
-def test_host_tier_spills_to_disk_and_both_stay_bounded(tmp_path):
+def test_host_tier_writes_through_to_disk_and_both_stay_bounded(tmp_path):
     tier = KVTier(cpu_bytes=2 * 512, disk_dir=str(tmp_path), disk_bytes=3 * 700, model_fingerprint="m1")  # a file: 512 bytes and its header
     for i in range(8):
         tier.put(100 + i, (i,), _block(i))
