@@ -225,6 +225,11 @@ class ServerConfig(BaseModel):
         "sight and when a file's size or mtime changed, else trust the cached result; full: hash on every start",
     )
 
+    @field_validator("verify_weights", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
 
 class ObservabilityConfig(BaseModel):
     """Metrics, tracing, the dashboard and the periodic stats log."""
@@ -401,6 +406,62 @@ class CacheConfig(BaseModel):
     response: ResponseCacheConfig | None = None
 
 
+class ScaleConfig(BaseModel):
+    """Each generative model on several engine replicas through Ray Serve (``gemel.scale``,
+    docs/scaling.md). One replica, the default, runs the engine in-process as always, without Ray."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1, description="engine replicas per generative model; above 1 they run on Ray Serve")
+    min_replicas: int | None = Field(None, ge=1, description="autoscaling: fewest replicas (with max_replicas)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscaling: most replicas")
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="autoscaling: ongoing requests per replica Ray Serve scales towards"
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="autoscaling: load above target this long adds replicas")
+    downscale_delay_s: float = Field(600.0, ge=0, description="autoscaling: load below target this long removes replicas")
+    ray_address: str | None = Field(
+        None, description="join this Ray cluster (e.g. ray://head:10001 or head:6379); null: start a local Ray instance"
+    )
+    engine_threads: int | None = Field(
+        None, ge=1, description="CPU threads of each replica's engine; null: engine.num_threads, else cores / most replicas"
+    )
+    num_cpus: float | None = Field(
+        None, gt=0, description="Ray CPUs each replica reserves; null: cores / most replicas (on a cluster: its engine threads)"
+    )
+    routing: Literal["prefix", "round_robin"] = Field(
+        "prefix", description="prefix: the replica whose prefix cache holds the prompt's start, load-bounded; round_robin: in turn"
+    )
+    load_margin_requests: int = Field(4, ge=0, description="prefix routing gives way when the preferred replica has more "
+                                      "ongoing requests than the least loaded plus this (or plus load_margin_ratio of its load)")
+    load_margin_ratio: float = Field(0.5, ge=0, description="see load_margin_requests")
+    prefix_map_entries: int = Field(100_000, ge=1, description="block hashes the router remembers (least recent go first)")
+    max_ongoing_requests: int = Field(256, ge=1, description="requests one replica takes at once; more wait in the front end")
+    graceful_shutdown_s: float = Field(
+        60.0, gt=0, description="a replica being removed finishes its requests this long; the rest resume on another"
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ScaleConfig:
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("scale.min_replicas and scale.max_replicas go together")
+        if self.min_replicas is not None:
+            if self.min_replicas > self.max_replicas:
+                raise ValueError("scale.min_replicas is above scale.max_replicas")
+            if self.replicas != 1:
+                raise ValueError("scale: give replicas (a fixed count) or min_replicas/max_replicas (autoscaling), not both")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Replicas on Ray Serve (else one in-process engine per model, no Ray)."""
+        return self.replicas > 1 or self.autoscaling
+
+
 class GemelConfig(BaseModel):
     """Top-level configuration (``gemel serve --config gemel.yaml``)."""
 
@@ -419,6 +480,7 @@ class GemelConfig(BaseModel):
     routes: list[RouteConfig] = Field(
         default_factory=list, description="public names over weighted models: canaries, stickiness, a fallback"
     )
+    scale: ScaleConfig = Field(default_factory=ScaleConfig, description="engine replicas on Ray Serve; default one, no Ray")
 
     @field_validator("cache", mode="before")
     @classmethod

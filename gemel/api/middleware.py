@@ -1,4 +1,6 @@
-"""Headers every response carries: request id, model id and version, latency, trace.
+"""Headers every response carries: request id, model id and version, latency, trace (and
+x-gemel-fallback when a route's fallback model answered, x-gemel-replica when engine
+replicas serve the model).
 
 A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnect detection pass
 through untouched. Handlers name the model they served in ``request.state.model_id`` /
@@ -51,7 +53,14 @@ class ResponseHeadersMiddleware:
                 h["x-request-id"] = request_id
                 h["x-model-id"] = state.get("model_id") or self.default_model_id
                 h["x-model-version"] = state.get("model_version") or self.default_model_version
+                if state.get("fallback_model"):  # a route's fallback answered (gemel.api.routes)
+                    h["x-gemel-fallback"] = state["fallback_model"]
+                if state.get("replica"):  # the engine replica(s) that served it (gemel.scale)
+                    h["x-gemel-replica"] = state["replica"]
+                if state.get("response_cache"):  # what the response cache did (gemel.cache): exact | semantic | miss
+                    h["x-gemel-cache"] = state["response_cache"]
                 h["x-inference-latency-ms"] = f"{(time.perf_counter() - start) * 1000:.1f}"
+                h.setdefault("x-content-type-options", "nosniff")  # JSON and event streams are never sniffed as HTML
                 h["traceparent"] = traceparent
             await send(message)
 
