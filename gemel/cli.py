@@ -1,4 +1,4 @@
-"""The ``gemel`` command: ``serve``, ``generate`` and the tools built on them (``info``, ``verify``, ``keys``, ``bench``)."""
+"""The ``gemel`` command: ``serve``, ``generate`` and the tools built on them (``info``, ``verify``, ``keys``, ``route``, ``check``, ``bench``)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     from gemel.gateway.cli import add_keys_arguments  # gemel keys create | ed25519 | set | list | revoke
 
     add_keys_arguments(sub)
+
+    from gemel.gateway.route_cli import add_route_arguments  # gemel route show | set | promote | rollback
+
+    add_route_arguments(sub)
+
+    from gemel.check.cli import DESCRIPTION as CHECK_DESCRIPTION, add_check_arguments, run_check
+
+    check = sub.add_parser("check", help="audit a configuration, tenants, Kubernetes manifests or a running server",
+                           description=CHECK_DESCRIPTION)  # fmt: skip
+    add_check_arguments(check)
+    check.set_defaults(func=run_check)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser(

@@ -432,7 +432,7 @@ class ScaleConfig(BaseModel):
     routing: Literal["prefix", "round_robin"] = Field(
         "prefix", description="prefix: the replica whose prefix cache holds the prompt's start, load-bounded; round_robin: in turn"
     )
-    load_margin_requests: int = Field(4, ge=0, description="prefix routing gives way when the preferred replica has more "
+    load_margin_requests: int = Field(8, ge=0, description="prefix routing gives way when the preferred replica has more "
                                       "ongoing requests than the least loaded plus this (or plus load_margin_ratio of its load)")
     load_margin_ratio: float = Field(0.5, ge=0, description="see load_margin_requests")
     prefix_map_entries: int = Field(100_000, ge=1, description="block hashes the router remembers (least recent go first)")

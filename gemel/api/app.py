@@ -8,8 +8,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gemel import __version__
-from gemel.api import gemini, health, model_list, openai_api
+from gemel.api import admin, gemini, health, model_list, openai_api
 from gemel.api.drain import Drain, DrainMiddleware
+from gemel.api.limits import RequestLimitsMiddleware
 from gemel.api.errors import install_error_handlers
 from gemel.api.middleware import ResponseHeadersMiddleware
 from gemel.api.state import ServerState
@@ -57,6 +58,11 @@ def create_app(config: GemelConfig | None = None, grpc: bool = False) -> FastAPI
     app.state.gateway = gateway
     app.state.gateway_counters = gateway.counters  # every rejection per tenant and reason
     app.add_middleware(GatewayMiddleware, gateway=gateway)  # inside the response-headers middleware
+    server = state.config.server
+    app.add_middleware(  # body size and JSON shape, before the gateway reads a body
+        RequestLimitsMiddleware, max_body_mb=server.max_body_mb, max_json_depth=server.max_json_depth,
+        max_json_values=server.max_json_values,
+    )
     app.state.drain = Drain(state.config.server.drain_timeout_s)  # begun by gemel serve's signal handler
     app.add_middleware(DrainMiddleware, drain=app.state.drain)  # outside the gateway: refusals need no admission
     app.add_middleware(
@@ -67,5 +73,6 @@ def create_app(config: GemelConfig | None = None, grpc: bool = False) -> FastAPI
     app.include_router(gemini.router, prefix="/v1beta")
     app.include_router(gemini.router, prefix="/v1")
     app.include_router(openai_api.router)
+    app.include_router(admin.router)  # /admin/routes: routes' state and changes (admins only)
     install_observability(app, state)  # /metrics, /dashboard, tracing (outermost middleware)
     return app

@@ -152,6 +152,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), retry_after_s=1)
     if isinstance(exc, TimeoutError):
         return APIError(504, "the request's deadline was exceeded")
+    if isinstance(exc, RecursionError):  # only a request's own nesting recurses this deep
+        return APIError(400, "Invalid JSON payload received. Nesting too deep.")
     log.exception("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
 

@@ -23,8 +23,11 @@ metrics and traces.
   in ``grpc-status-details-bin`` carrying the same details as the REST body (BadRequest
   field violations, RetryInfo, ErrorInfo), which ``google-api-core`` decodes.
 * Metadata: initial metadata carries ``x-request-id``, ``x-model-id``, ``x-model-version``
-  and ``traceparent``; trailing metadata ``x-inference-latency-ms`` (and ``retry-after``
-  on RESOURCE_EXHAUSTED / UNAVAILABLE).
+  and ``traceparent`` (and ``x-gemel-fallback`` when a route's fallback model answers; a
+  route's sticky user comes in ``x-gemel-user``; ``x-gemel-cache`` while the response cache is
+  on, sent once it has answered, and ``cache-control: no-cache`` in the call's metadata skips
+  its read); trailing metadata ``x-inference-latency-ms``
+  (and ``retry-after`` on RESOURCE_EXHAUSTED / UNAVAILABLE).
 * Reflection: served from gemel's own descriptor pool (``gemel.api.grpc_service``).
 * Shutdown: while ``gemel serve`` drains (``gemel.api.drain``), new calls end UNAVAILABLE
   with ``retry-after`` and running ones count towards the drain.
@@ -58,8 +61,10 @@ from gemel.api.gemini import (
 from gemel.api.grpc_service import SERVICE_NAME, Method, methods, service_pool
 from gemel.api.lifecycle import Deadline
 from gemel.api.middleware import child_traceparent
-from gemel.api.pipeline import Generation, Guard, ModelKind, deadline_guard, finish, resolve, start_generation
+from gemel.api.pipeline import Generation, Guard, ModelKind, deadline_guard, finish, route_or_resolve, start_generation
+from gemel.api.routes import FALLBACK_HEADER, USER_HEADER, RouteDecision
 from gemel.api.state import ServedModel, ServerState
+from gemel.cache.keys import cache_directives
 from gemel.config import GrpcConfig
 from gemel.gateway.principal import Principal
 
@@ -137,6 +142,8 @@ class Call:
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
         self.deadline = call_deadline(context, surface.state.config.server)
         self.model: ServedModel | None = None
+        self.route: RouteDecision | None = None  # set when the call named a route
+        self.cache: str | None = None  # x-gemel-cache of a generation (initial metadata)
         self.admission = None
         self.initial_sent = False
         self._span = None
@@ -205,6 +212,10 @@ class Call:
         md = [("x-request-id", self.request_id), ("traceparent", self.traceparent)]
         if self.model is not None:
             md += [("x-model-id", self.model.id), ("x-model-version", self.model.version)]
+        if self.route is not None and self.route.fallback is not None:
+            md.append((FALLBACK_HEADER, self.route.fallback.id))
+        if self.cache:
+            md.append(("x-gemel-cache", self.cache))
         await self.context.send_initial_metadata(md)
 
     def _trailing(self) -> list[tuple[str, str]]:
@@ -311,19 +322,36 @@ class GrpcSurface:
         return result
 
     # -- generation -------------------------------------------------------------------------
-    async def _served(self, call: Call, raw: bytes, method: str, kind: ModelKind) -> tuple[Principal, Any, ServedModel]:
+    async def _served(
+        self, call: Call, raw: bytes, method: str, kind: ModelKind, announce: bool = True
+    ) -> tuple[Principal, Any, ServedModel]:
         """Authenticate the call, parse its request and resolve its model (named in the
-        initial metadata from here on)."""
+        initial metadata from here on; ``announce=False``: the caller sends it)."""
         principal = await self.authenticate(call, raw)
         req = call.parse(_method(method), raw)
-        model = resolve(self.state, _model_name(req), "gemini", API_VERSION, kind, _lower(method))
-        await call.serve_model(model)
+        model, call.route = route_or_resolve(
+            self.state, _model_name(req), "gemini", API_VERSION, kind, _lower(method), principal, call.headers.get(USER_HEADER)
+        )
+        if announce:
+            await call.serve_model(model)
+        else:
+            call.model = model
         return principal, req, model
 
     async def _start_generation(self, call: Call, raw: bytes, method: str) -> tuple[Generation, Guard]:
-        principal, req, model = await self._served(call, raw, method, "generate")
+        cached = self.state.response_cache is not None  # x-gemel-cache joins the initial metadata once known
+        principal, req, model = await self._served(call, raw, method, "generate", announce=not cached)
         guard = deadline_guard(call.deadline)
-        gen = await start_generation(self.state, generation_request(model, req, call.deadline), principal, guard)
+        try:
+            gen_req = generation_request(model, req, call.deadline)
+            gen_req.route = call.route
+            gen_req.no_cache, gen_req.no_store = cache_directives(call.headers.get("cache-control"))
+            gen = await start_generation(self.state, gen_req, principal, guard)
+        except Exception:
+            await call.send_initial()
+            raise
+        call.cache = gen.cache
+        await call.send_initial()
         return gen, guard
 
     async def generate_content(self, raw: bytes, context: grpc.aio.ServicerContext):

@@ -78,4 +78,7 @@ async def internal_stats(request: Request) -> Response:
             "num_requests_in_flight": e.num_in_flight,
             "last_report_age_s": (now - e.last_report) if e.last_report else None,
         }
+        if hasattr(e, "replica_info"):  # a replica pool (gemel.scale): each replica, and the router's settings
+            engines[m.id]["replicas"] = e.replica_info()
+            engines[m.id]["scale"] = e.describe()
     return JSONResponse({"default_model": st.default.id, "engines": engines})

@@ -9,6 +9,7 @@ min_tokens) are read from the top level, where ``extra_body`` puts them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from gemel.api.auth import Principal, authenticate
 from gemel.api.errors import APIError, invalid, openai_error
 from gemel.api.inputs import openai_messages
+from gemel.api.limits import MAX_CONTENTS, MAX_PARTS, OPENAI_MAX_STOP, check_count, check_schema_size
 from gemel.api.params import make_params, plain_knobs
 from gemel.api import pipeline
 from gemel.api.pipeline import Generation, GenerationRequest, Prompter, PromptInput
@@ -34,6 +36,7 @@ from gemel.engine.output_processor import CompletionOutput, RequestOutput, Token
 from gemel.sampling_params import SamplingParams
 
 router = APIRouter(tags=["openai"])
+MAX_CHOICES = 64  # prompts x n of one completions request
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -96,6 +99,27 @@ class EmbeddingRequest(BaseModel):
 
 
 # -- validation -----------------------------------------------------------------------
+def check_limits(body: SamplingFields) -> None:
+    """The lists a client controls, bounded before any work is done on them."""
+    if isinstance(body.stop, list):
+        check_count(body.stop, OPENAI_MAX_STOP, "stop", "stop sequences")
+    if isinstance(body, ChatCompletionRequest):
+        check_count(body.messages, MAX_CONTENTS, "messages", "messages")
+        parts = 0
+        for i, msg in enumerate(body.messages):
+            content = msg.get("content")
+            parts += len(content) if isinstance(content, list) else 0
+            if parts > MAX_PARTS:
+                raise invalid(
+                    f"messages[{i}].content takes the request over {MAX_PARTS} content parts, the most one may hold",
+                    param=f"messages[{i}].content",
+                )
+        fmt = body.response_format
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+        if isinstance(spec, dict) and spec.get("schema") is not None:
+            check_schema_size(spec["schema"], "response_format.json_schema.schema")
+
+
 def _refuse(body: BaseModel) -> None:
     if body.logit_bias:
         raise invalid("logit_bias is not supported by gemel yet", param="logit_bias")
@@ -222,17 +246,22 @@ async def _generate(
     principal: Principal,
     echo: bool = False,
     sent_as: dict[str, str] | None = None,
+    prompt_chars: int = 0,
 ) -> Response:
-    call = pipeline.http_call(request, body.model, "openai", kind="generate", method="chat completions" if kind == "chat" else "completions")
+    method = "chat completions" if kind == "chat" else "completions"
+    call = pipeline.http_call(request, body.model, "openai", kind="generate", method=method, user=body.user)
     _refuse(body)
     params = _params(body, call.model, max_tokens, logprobs, sent_as or {})
-    if kind == "chat":
-        structured = openai_spec(body.response_format)
+    if kind == "chat" and body.response_format:
+        structured = await asyncio.to_thread(openai_spec, body.response_format)  # metaschema and grammar checks
         if structured is not None:
             params = replace(params, structured_output=structured)
-    req = GenerationRequest(call.model, params, call.deadline, prompts, priority=body.priority)
-    gen = await pipeline.start_generation(call.state, req, principal, call.guard)
-    fmt = Formatter(kind, body.model, call.model.engine.tokenizer, logprobs)
+    req = GenerationRequest(
+        call.model, params, call.deadline, prompts, priority=body.priority, prompt_chars=prompt_chars, route=call.route
+    )
+    gen = await pipeline.start_http_generation(request, call, req, principal)
+    answered_as = call.model.id if call.route is not None else body.model  # a route's name: the model that answered
+    fmt = Formatter(kind, answered_as, call.model.engine.tokenizer, logprobs)
     if not body.stream:
         return JSONResponse(_unary(fmt, gen, await pipeline.finish(gen, call.guard), echo))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -296,6 +325,7 @@ def _blank(c: CompletionOutput) -> CompletionOutput:
 # -- routes ---------------------------------------------------------------------------
 @router.post("/v1/chat/completions", summary="OpenAI chat completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, principal: Principal = Depends(authenticate)) -> Response:
+    check_limits(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -303,12 +333,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, princi
 
     sent_as = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
     sent_as["logprobs"] = "top_logprobs"
-    prompts = pipeline.chat_prompt(openai_messages(body.messages, state_of(request).resolve(body.model, "openai").id))
-    return await _generate(request, body, "chat", prompts, max_tokens, _logprobs_count(body), principal, sent_as=sent_as)
+    messages = openai_messages(body.messages, state_of(request).resolve(body.model, "openai").id)
+    return await _generate(
+        request, body, "chat", pipeline.chat_prompt(messages), max_tokens, _logprobs_count(body), principal,
+        sent_as=sent_as, prompt_chars=pipeline.message_chars(messages),
+    )
 
 
 @router.post("/v1/completions", summary="OpenAI completions")
 async def completions(body: CompletionRequest, request: Request, principal: Principal = Depends(authenticate)) -> Response:
+    check_limits(body)
+    raw = [body.prompt] if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else body.prompt
+    if len(raw) * body.n > MAX_CHOICES:  # before any prompt is tokenised
+        raise invalid(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="prompt")
     if body.max_tokens is not None and body.max_tokens < 1:
         raise invalid(f"max_tokens must be a positive integer (got {body.max_tokens})", param="max_tokens")
     if body.logprobs is not None and not 0 <= body.logprobs <= 20:
@@ -317,13 +354,8 @@ async def completions(body: CompletionRequest, request: Request, principal: Prin
         raise invalid("echo with logprobs is not supported", param="echo")
 
     def prompts(tokenizer) -> list[PromptInput]:
-        raw = body.prompt
-        if isinstance(raw, str):
-            raw = [raw]
         if not raw:
             raise invalid("prompt must not be empty", param="prompt")
-        if isinstance(raw[0], int):
-            raw = [raw]
         out = []
         for i, p in enumerate(raw):
             if isinstance(p, str):
@@ -334,11 +366,12 @@ async def completions(body: CompletionRequest, request: Request, principal: Prin
                 if not p or any(t < 0 or t >= tokenizer.vocab_size for t in p):
                     raise invalid(f"prompt[{i}]: token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
                 out.append(PromptInput(tokenizer.decode(p), list(p)))
-        if len(out) * body.n > 64:
-            raise invalid("at most 64 choices (prompts x n) per request", param="prompt")
         return out
 
-    return await _generate(request, body, "text", prompts, body.max_tokens, body.logprobs, principal, echo=body.echo)
+    chars = sum(len(p) for p in raw)  # token ids count as characters: decoding them is work too
+    return await _generate(
+        request, body, "text", prompts, body.max_tokens, body.logprobs, principal, echo=body.echo, prompt_chars=chars
+    )
 
 
 @router.post("/v1/embeddings", summary="OpenAI embeddings")
@@ -363,7 +396,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, principal: Princi
     for i, v in enumerate(vectors):
         emb = base64.b64encode(v.tobytes()).decode() if body.encoding_format == "base64" else v.tolist()
         data.append({"object": "embedding", "index": i, "embedding": emb})
-    tokens = sum(encoder.count_tokens(texts))
+    tokens = sum(await pipeline.off_loop(sum(map(len, texts)), encoder.count_tokens, texts))
     return JSONResponse(
         {"object": "list", "data": data, "model": body.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     )

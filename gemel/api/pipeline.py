@@ -6,13 +6,18 @@ texts of an embedding or token-counting request) and render what comes back. The
 between happen here, in this order:
 
 1. ``resolve``: the model a request names (id or alias), or 404 in the surface's words;
-   a generation or embedding method on the other kind of model is a 400.
+   a generation or embedding method on the other kind of model is a 400. A generation for
+   a route's name (``route_or_resolve``, ``gemel.api.routes``) gets the target the route
+   chooses, or its fallback model when that target cannot serve in time.
 2. The deadline (``Deadline``, made by the surface from its header or its call's deadline)
    and a ``Guard``: how the surface waits, bounded by the deadline and, over HTTP, by the
    client's presence (``http_guard``; gRPC cancels a departed call itself, ``deadline_guard``).
 3. ``start_generation``: wait until the engine is ready, tokenise each prompt once, take
    the tenant's priority class, pass the gateway's admission (class queue, tokens/min),
-   start one engine request per prompt and meter each stream for the gateway.
+   start one engine request per prompt and meter each stream for the gateway. With the
+   response cache on (``gemel.cache``), a cached answer is looked up once the prompts are
+   tokenised and, on a hit, replayed as the engine's streams (no readiness wait, no
+   admission); a miss's answer is stored when its last output is out.
 4. The answer: ``finish`` for a unary one (every prompt's final output), ``relay`` for a
    stream (the first output awaited before the response starts, so an early failure still
    gets its status; a later one arrives as one last in-band error).
@@ -24,6 +29,7 @@ take the same resolve / deadline / guard steps.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ from starlette.responses import StreamingResponse
 
 from gemel.api.errors import APIError, as_api_error
 from gemel.api.lifecycle import Collector, Deadline, guarded
+from gemel.api.routes import USER_HEADER, RouteDecision, principal_of, routing_of
 from gemel.api.state import ServedModel, ServerState, mark_model, state_of
 from gemel.engine.output_processor import RequestOutput
 from gemel.sampling_params import SamplingParams
@@ -61,6 +68,20 @@ def resolve(
     return state.resolve(name, surface, api_version)
 
 
+def route_or_resolve(
+    state: ServerState, name: str, surface: str, api_version: str = "v1beta", kind: ModelKind = "generate",
+    method: str = "", principal: Principal | None = None, user: str | None = None,
+) -> tuple[ServedModel, RouteDecision | None]:
+    """``resolve``, except that a generation for a route's name gets the model its route
+    decides on (with the decision, which the request carries to ``start_generation``)."""
+    routing = routing_of(state)
+    if kind == "generate" and routing is not None:
+        decision = routing.decide(name, principal, user)
+        if decision is not None:
+            return decision.model, decision
+    return resolve(state, name, surface, api_version, kind, method), None
+
+
 def http_guard(request: Request, deadline: Deadline) -> Guard:
     """Waits for HTTP: cancelled (and so aborted in the engine) at the deadline (504) or when
     the client disconnects."""
@@ -80,15 +101,25 @@ class HttpCall:
     model: ServedModel
     deadline: Deadline
     guard: Guard
+    route: RouteDecision | None = None  # set when ``name`` was a route's
 
 
-def http_call(request: Request, name: str, surface: str, api_version: str = "v1beta", kind: ModelKind = "generate", method: str = "") -> HttpCall:
-    """Steps 1 and 2 for an HTTP route; the response headers name the model (x-model-id)."""
+def http_call(
+    request: Request, name: str, surface: str, api_version: str = "v1beta", kind: ModelKind = "generate",
+    method: str = "", user: str | None = None,
+) -> HttpCall:
+    """Steps 1 and 2 for an HTTP route; the response headers name the model (x-model-id) and,
+    when a route's fallback answers, that fallback (x-gemel-fallback). ``user``: the caller's
+    user id for a route that keeps users on one target (else the x-gemel-user header)."""
     state = state_of(request)
-    model = resolve(state, name, surface, api_version, kind, method)
+    principal = principal_of(request.scope.get("state", {}))
+    user = user or request.headers.get(USER_HEADER)
+    model, decision = route_or_resolve(state, name, surface, api_version, kind, method, principal, user)
     mark_model(request, model)
+    if decision is not None and decision.fallback is not None:
+        request.state.fallback_model = decision.fallback.id
     deadline = Deadline.from_request(request, state.config.server)
-    return HttpCall(state, model, deadline, http_guard(request, deadline))
+    return HttpCall(state, model, deadline, http_guard(request, deadline), decision)
 
 
 # -- 3. generation ----------------------------------------------------------------------------------
@@ -103,15 +134,51 @@ class PromptInput:
 
 Prompter = Callable[["Tokenizer"], list[PromptInput]]
 
+# Prompts longer than this (characters) are rendered and tokenised on a worker thread, so the
+# event loop every request shares keeps running while the tokenizer works (as far as it
+# releases the GIL).
+OFF_LOOP_CHARS = 100_000
+
+
+async def off_loop(chars: int, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` (tokenisation of ``chars`` characters), off the event loop when long."""
+    if chars > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def message_chars(messages: list[dict]) -> int:
+    return sum(len(m.get("content") or "") for m in messages)
+
+
+@functools.cache
+def longest_token(tokenizer: Tokenizer) -> int:
+    """The most characters one token covers (the longest vocabulary piece): a text of more
+    than ``context x this`` characters cannot fit a context, and need not be tokenised to know."""
+    longest = 1
+    for i in range(tokenizer.vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.id_to_token(i)))
+        except IndexError:
+            pass
+    return longest
+
+
+class ChatPrompt:
+    """The prompt of a conversation, rendered with the model's chat template once; its
+    ``messages`` stay readable (the response cache's semantic match embeds them)."""
+
+    def __init__(self, messages: list[dict]):
+        self.messages = messages
+
+    def __call__(self, tokenizer: Tokenizer) -> list[PromptInput]:
+        text = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        return [PromptInput(text, tokenizer.encode_rendered(text))]
+
 
 def chat_prompt(messages: list[dict]) -> Prompter:
     """The prompt of a conversation, rendered with the model's chat template once."""
-
-    def prompts(tokenizer: Tokenizer) -> list[PromptInput]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return [PromptInput(text, tokenizer.encode_rendered(text))]
-
-    return prompts
+    return ChatPrompt(messages)
 
 
 @dataclass
@@ -123,6 +190,10 @@ class GenerationRequest:
     deadline: Deadline
     prompts: Prompter  # run once the tokenizer is there; may raise APIError for bad prompts
     priority: int | None = None  # a class the caller asked for; never above the tenant's
+    prompt_chars: int = 0  # the prompts' length in characters: long ones are tokenised off the event loop
+    route: RouteDecision | None = None  # the route that chose ``model``, told how the request went
+    no_cache: bool = False  # Cache-Control: no-cache: a fresh answer, not the response cache's
+    no_store: bool = False  # Cache-Control: no-store: nor is the answer kept
 
 
 class Generation:
@@ -133,6 +204,13 @@ class Generation:
         self.prompts = prompts
         self.streams = streams
         self.collectors = [Collector() for _ in streams]
+        self.cache: str | None = None  # x-gemel-cache: exact | semantic | miss; None while the cache is off
+        self.on_finished: Callable[[list[RequestOutput | None]], None] | None = None  # given the final outputs
+
+    def _finished(self, outs: list) -> list[RequestOutput]:
+        if self.on_finished is not None:
+            self.on_finished(outs)
+        return outs
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,10 +224,10 @@ class Generation:
         """Every prompt's final output; the first failure cancels (and so aborts) the rest."""
         runs = [c.run(s) for c, s in zip(self.collectors, self.streams)]
         if len(runs) == 1:
-            return [await runs[0]]
+            return self._finished([await runs[0]])
         tasks = [asyncio.ensure_future(r) for r in runs]
         try:
-            return await asyncio.gather(*tasks)
+            return self._finished(await asyncio.gather(*tasks))
         finally:
             for t in tasks:
                 t.cancel()
@@ -164,9 +242,12 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of every prompt as they come, each with its prompt's position."""
+        last: list[RequestOutput | None] = [None] * len(self.streams)
         if len(self.streams) == 1:
             async for out in self.streams[0]:
+                last[0] = out
                 yield 0, out
+            self._finished(last)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -189,7 +270,9 @@ class Generation:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    last[i] = item
                     yield i, item
+            self._finished(last)
         finally:  # cancelling a pump closes its stream, which aborts the request in the engine
             for t in tasks:
                 t.cancel()
@@ -197,14 +280,33 @@ class Generation:
 
 
 async def start_generation(state: ServerState, req: GenerationRequest, principal: Principal, guard: Guard) -> Generation:
-    """Step 3: readiness, tokenisation, priority, admission, then the engine requests."""
+    """Step 3: readiness, tokenisation, priority, the response cache, admission, then the engine
+    requests. A cached answer needs only the tokenizer (loaded before the weights) and takes no
+    tokens/min and no class-queue place: it is replayed as the engine's streams."""
     engine = req.model.engine
-    await guard(engine.wait_ready(min(req.deadline.remaining(), state.config.server.engine_ready_timeout_s)))
-    prompts = req.prompts(engine.tokenizer)
+    cache = getattr(state, "response_cache", None)
+    if cache is None or engine.tokenizer is None:
+        await guard(engine.wait_ready(min(req.deadline.remaining(), state.config.server.engine_ready_timeout_s)))
+    if req.prompt_chars > engine.max_model_len and engine.max_model_len > 0:
+        chars_per_token = await asyncio.to_thread(longest_token, engine.tokenizer)
+        if req.prompt_chars > engine.max_model_len * chars_per_token:
+            raise APIError(
+                400, f"the prompt has more than {engine.max_model_len} tokens; this model's context is {engine.max_model_len} tokens"
+            )
+    prompts = await off_loop(req.prompt_chars, req.prompts, engine.tokenizer)
     params = req.params
     params.priority = principal.priority_for(req.priority)
+    lookup = None
+    if cache is not None:
+        lookup = await guard(cached_answer(cache, req, prompts, principal))
+        if lookup.outputs is not None:
+            gen = Generation(req, prompts, lookup.streams())
+            gen.cache = lookup.result
+            return gen
+        await guard(engine.wait_ready(min(req.deadline.remaining(), state.config.server.engine_ready_timeout_s)))
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    await principal.admit_generation(prompt_tokens, params.max_tokens * params.n * len(prompts))
+    overflow = req.route is not None and req.route.overflow  # a queue-full fallback: it waits on another engine
+    await principal.admit_generation(prompt_tokens, params.max_tokens * params.n * len(prompts), overflow=overflow)
     streams = [
         principal.meter(
             engine.generate(uuid.uuid4().hex, p.text, p.token_ids, params, principal.tenant, req.deadline.at, quota=principal.quota),
@@ -212,7 +314,40 @@ async def start_generation(state: ServerState, req: GenerationRequest, principal
         )
         for i, p in enumerate(prompts)
     ]
-    return Generation(req, prompts, streams)
+    if req.route is not None:
+        streams = req.route.observe(streams)  # time to first output and failures, for a canary's SLO
+    gen = Generation(req, prompts, streams)
+    if lookup is not None:
+        gen.cache, gen.on_finished = lookup.result, lookup.finished
+    return gen
+
+
+def cached_answer(cache, req: GenerationRequest, prompts: list[PromptInput], principal: Principal):
+    """The response cache's lookup for a tokenised request (``gemel.cache.response``)."""
+    messages = getattr(req.prompts, "messages", None)
+    if messages is not None:
+        from gemel.cache.semantic import conversation_text
+
+        text = conversation_text(messages)
+    else:
+        text = None
+    route = req.route.route.name if req.route is not None else None
+    return cache.lookup(
+        principal.tenant, req.model.id, req.model.version, [(p.text, p.token_ids) for p in prompts], req.params,
+        semantic_text=text, names=(route,), no_cache=req.no_cache, no_store=req.no_store,
+    )
+
+
+async def start_http_generation(request: Request, call: HttpCall, req: GenerationRequest, principal: Principal) -> Generation:
+    """Step 3 for an HTTP route: the request's ``Cache-Control`` directs the response cache,
+    and the answer's ``x-gemel-cache`` header says what it did."""
+    from gemel.cache.keys import cache_directives
+
+    req.no_cache, req.no_store = cache_directives(request.headers.get("cache-control"))
+    gen = await start_generation(call.state, req, principal, call.guard)
+    if gen.cache is not None:
+        request.state.response_cache = gen.cache
+    return gen
 
 
 # -- 4. the answer ----------------------------------------------------------------------------------
@@ -275,10 +410,10 @@ async def count_chat_tokens(state: ServerState, model: ServedModel, messages: li
     engine = model.engine
     if engine.tokenizer is None:
         await guard(engine.wait_ready(state.config.server.engine_ready_timeout_s))
-    return len(engine.tokenizer.encode_chat(messages, add_generation_prompt=True))
+    return len(await off_loop(message_chars(messages), engine.tokenizer.encode_chat, messages, True))
 
 
 async def count_text_tokens(state: ServerState, model: ServedModel, texts: Sequence[str], deadline: Deadline, guard: Guard) -> int:
     """Tokens an embedding model reads of ``texts`` (after its truncation)."""
     encoder = await encoder_of(state, model, deadline, guard)
-    return sum(encoder.count_tokens(list(texts)))
+    return sum(await off_loop(sum(map(len, texts)), encoder.count_tokens, list(texts)))

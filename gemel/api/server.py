@@ -33,6 +33,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-certfile", metavar="PATH", help="PEM certificate chain: serve HTTPS (with --ssl-keyfile)")
     parser.add_argument("--ssl-keyfile", metavar="PATH", help="PEM private key of --ssl-certfile")
     parser.add_argument(
+        "--replicas", type=int, metavar="N",
+        help="engine replicas per generative model on Ray Serve (default 1: one in-process engine, no Ray); see docs/scaling.md",
+    )
+    parser.add_argument(
+        "--routing", choices=["prefix", "round_robin"], help="how requests pick a replica (default prefix: prefix-cache aware)"
+    )
+    parser.add_argument(
         "--verify-weights", choices=["off", "fast", "full"],
         help="check weight files before serving: fast (default) hashes on first sight or when a file's size/mtime "
         "changed, full on every start, off never (see gemel verify)",
@@ -66,6 +73,10 @@ def apply_overrides(config: GemelConfig, args: argparse.Namespace) -> GemelConfi
             data["server"][name] = os.path.abspath(os.path.expanduser(getattr(args, name)))
     if getattr(args, "verify_weights", None):
         data["server"]["verify_weights"] = args.verify_weights
+    if getattr(args, "replicas", None) is not None:  # a fixed count wins over the file's autoscaling bounds
+        data["scale"].update(replicas=args.replicas, min_replicas=None, max_replicas=None)
+    if getattr(args, "routing", None):
+        data["scale"]["routing"] = args.routing
     if args.model:
         first = data["models"][0]
         if first["id"] == config.engine.model and first["source"] == config.engine.model:

@@ -15,10 +15,12 @@ from typing import Literal
 from starlette.requests import Request
 
 from gemel.api.errors import APIError
+from gemel.api.routes import Routing
 from gemel.config import GemelConfig, ServerConfig
 from gemel.engine.async_llm import AsyncLLM, EngineNotReadyError
 from gemel.engine.supervisor import RestartPolicy
 from gemel.loader import integrity, sources
+from gemel.scale.context import REQUEST_STATE
 
 log = logging.getLogger("gemel.api")
 
@@ -64,9 +66,11 @@ def state_of(request: Request) -> ServerState:
 
 
 def mark_model(request: Request, model: ServedModel) -> None:
-    """Name the model that served this request in the response headers (x-model-id, x-model-version)."""
+    """Name the model that served this request in the response headers (x-model-id, x-model-version;
+    a replica pool adds x-gemel-replica, ``gemel.scale.context``)."""
     request.state.model_id = model.id
     request.state.model_version = model.version
+    REQUEST_STATE.set(request.state)
 
 
 def restart_policy(server: ServerConfig) -> RestartPolicy:
@@ -98,12 +102,21 @@ class ServerState:
         self.models: list[ServedModel] = []
         for entry in config.models:
             sources.resolve(entry.source)  # fail at start-up, with the install hint, not per request
-            engine = AsyncLLM(
-                config.engine_config(entry),  # unset CPU threads adapt (gemel.engine.threads)
-                stats_interval_s=config.server.stats_interval_s,
-                log_level=config.server.log_level,
-                restart=restart_policy(config.server),
-            )
+            if config.scale.enabled:  # engine replicas on Ray Serve; Ray is imported only here
+                from gemel.scale.pool import ReplicaPool
+
+                engine = ReplicaPool(
+                    entry.id, config.engine_config(entry), config.scale, stats_interval_s=config.server.stats_interval_s,
+                    log_level=config.server.log_level, restart=restart_policy(config.server),
+                    ready_timeout_s=config.server.engine_ready_timeout_s,
+                )  # fmt: skip
+            else:
+                engine = AsyncLLM(
+                    config.engine_config(entry),  # unset CPU threads adapt (gemel.engine.threads)
+                    stats_interval_s=config.server.stats_interval_s,
+                    log_level=config.server.log_level,
+                    restart=restart_policy(config.server),
+                )
             description = entry.description or f"{entry.id} served by gemel"
             self.models.append(_served_model(entry, "generate", description, entry.max_output_tokens, engine))
         emb = config.embeddings
@@ -118,7 +131,13 @@ class ServerState:
             for name in [m.id, *m.aliases]:
                 self.by_name[name] = m
         self.default = self.models[0]
+        self.routes = Routing(config.routes, self.models)  # public names over weighted models (gemel.api.routes)
         self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemel-embed")
+        self.response_cache = None  # finished answers replayed without the engine (gemel.cache); None: off
+        if config.cache.response is not None:
+            from gemel.cache.response import build
+
+            self.response_cache = build(self)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,6 +170,8 @@ class ServerState:
         return encoder
 
     async def stop(self) -> None:
+        if self.response_cache is not None:
+            await self.response_cache.close()
         await asyncio.gather(*(m.engine.shutdown() for m in self.models if m.engine is not None))
         self._embed_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -163,7 +184,7 @@ class ServerState:
         """A model by id or alias (``models/`` prefix allowed), else 404 in the surface's words;
         503 with the reason for a model that cannot serve, while the others do."""
         key = name.removeprefix("models/")
-        model = self.by_name.get(key)
+        model = self.by_name.get(key) or self.by_name.get(self.routes.primary(key) or "")  # a route: its main target
         if model is None:
             if surface == "openai":
                 raise APIError(

@@ -4,7 +4,8 @@ Gemini sends ``responseMimeType: application/json`` with ``responseSchema`` (an 
 subset with UPPERCASE types, ``nullable``, int64 bounds as strings) or ``responseJsonSchema``
 (plain JSON Schema), or ``text/x.enum`` with an enum schema; OpenAI sends ``response_format``
 ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ...}}``.
-A schema the grammar library cannot use is a 400 naming the field and the problem.
+A JSON Schema must pass its metaschema (with the ``jsonschema`` package, when installed) and
+the grammar library must be able to use it; else a 400 names the field and the problem.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from typing import Any
 
 from gemel.api.errors import invalid
+from gemel.api.limits import check_schema_size
 from gemel.engine.structured_output import StructuredOutputSpec, validate
 
 _INT_KEYS = {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"}
@@ -64,10 +66,36 @@ def integral_floats_to_ints(value: Any) -> Any:
 
 
 def _checked(spec: StructuredOutputSpec, param: str) -> StructuredOutputSpec:
-    problem = validate(spec)
+    try:
+        problem = validate(spec)
+    except RecursionError:
+        problem = "nested too deeply"
     if problem:
         raise invalid(f"{param}: invalid schema: {problem}", param=param)
     return spec
+
+
+def check_json_schema(schema: Any, param: str, at: str | None = None) -> None:
+    """400 naming ``param`` when ``schema`` (found at ``at``, default ``param``) is not a valid
+    JSON Schema by its metaschema (the draft its ``$schema`` names, else 2020-12); the message
+    says where in the schema. Without ``jsonschema`` the grammar library's checks decide alone."""
+    check_schema_size(schema, param)
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    declared = schema.get("$schema") if isinstance(schema, dict) else None
+    if declared is not None and not isinstance(declared, str):
+        raise invalid(f"{param}: invalid JSON Schema: $schema must be a string", param=param)
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        validator = cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(schema))
+    except RecursionError:
+        raise invalid(f"{param}: invalid JSON Schema: nested too deeply", param=param) from None
+    if error is not None:
+        where = (at or param) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise invalid(f"{where}: invalid JSON Schema: {error.message}", param=param)
 
 
 def gemini_spec(mime: str, response_schema: dict | None, response_json_schema: Any) -> StructuredOutputSpec | None:
@@ -103,9 +131,11 @@ def gemini_spec(mime: str, response_schema: dict | None, response_json_schema: A
             raise invalid("generationConfig.responseJsonSchema must be a JSON Schema object",
                           param="generationConfig.responseJsonSchema")
         response_json_schema = integral_floats_to_ints(response_json_schema)
+        check_json_schema(response_json_schema, "generationConfig.responseJsonSchema")
         return _checked(StructuredOutputSpec("json_schema", json.dumps(response_json_schema)),
                         "generationConfig.responseJsonSchema")
     if response_schema is not None:
+        check_schema_size(response_schema, "generationConfig.responseSchema")
         return _checked(StructuredOutputSpec("json_schema", json.dumps(openapi_to_json_schema(response_schema))),
                         "generationConfig.responseSchema")
     return StructuredOutputSpec("json_object")
@@ -126,6 +156,7 @@ def openai_spec(response_format: dict | None) -> StructuredOutputSpec | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise invalid("response_format.json_schema must be an object with a 'schema' object",
                           param="response_format.json_schema")
+        check_json_schema(spec.get("schema", {}), "response_format.json_schema", at="response_format.json_schema.schema")
         return _checked(StructuredOutputSpec("json_schema", json.dumps(spec.get("schema", {}))),
                         "response_format.json_schema")
     raise invalid(f"response_format.type {kind!r} is not supported (use text, json_object or json_schema)",

@@ -193,7 +193,7 @@ class AsyncLLM:
         args = (conn, self._proc)
         threading.Thread(target=self._read_loop, args=args, name="gemel-engine-reader", daemon=True).start()
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
+    async def shutdown(self, timeout: float = 20.0) -> None:
         for task in self._tasks:
             task.cancel()
         if self._proc is None:
@@ -252,11 +252,14 @@ class AsyncLLM:
         tenant: str = "",
         deadline: float | None = None,
         quota: TenantQuota | None = None,
+        resume: RequestOutput | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (deltas merged if the consumer lags). Closing or
         cancelling the iterator before the end, or passing ``deadline`` (monotonic; raises
         TimeoutError), aborts the request in the engine. ``quota`` is the tenant's engine
-        quota, from the gateway."""
+        quota, from the gateway. ``resume``: the last output a consumer saw of this request
+        from another engine that died (a replica, ``gemel.scale``); its tokens count as output,
+        as on a restart here, so the request goes on exactly where it stopped."""
         if self.state != "restarting":  # a request arriving mid-restart is submitted with the others
             self.check_alive()
         if not prompt_ids:
@@ -271,6 +274,8 @@ class AsyncLLM:
         self._streams[request_id] = stream
         state = RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, tenant)
         state.observer_handles = self._begin_observers(request_id, state.tenant, params)
+        if resume is not None:
+            state.resume_from(resume)
         self._processor.add(state)
         arrival = time.monotonic()
         self._submissions[request_id] = _Submission(prompt_ids, params, tenant, quota, arrival)
@@ -281,9 +286,11 @@ class AsyncLLM:
                 [
                     EngineCoreRequest(
                         c.seq_id, prompt_ids, child_params(params, i), arrival, tenant, quota=quota,
-                        fork_of=state.candidates[0].seq_id if i > 0 else None,  # share the prompt's KV
+                        fork_of=state.candidates[0].seq_id if i > 0 and resume is None else None,  # share the prompt's KV
+                        output_token_ids=list(c.out.token_ids),
                     )
                     for i, c in enumerate(state.candidates)
+                    if not c.out.finished
                 ]
             )
         )

@@ -309,6 +309,23 @@ class EngineCore:
         self.block_manager.offload = KVOffload(self.kv_tier, self.runner)
         log.info("KV tier: host %d MB, disk %s", off.cpu_mb, f"{off.disk_dir} ({off.disk_gb:g} GB)" if off.disk_dir else "off")
 
+    def close(self) -> None:
+        """Before the process ends: the disk tier gets every computed block still in the pool
+        (so a restart finds what was hot, not only what had been evicted) and finishes its
+        writes."""
+        tier = self.kv_tier
+        if tier is None:
+            return
+        if tier.dir is not None:
+            saved = 0
+            for block in self.block_manager.blocks:
+                if block.block_hash is not None and not tier.on_disk(block.block_hash):
+                    tier.write(block.block_hash, block.token_ids, self.runner.read_block(block.block_id))
+                    saved += 1
+            if saved:
+                log.info("KV tier: writing %d blocks of the pool to disk before exiting", saved)
+        tier.flush()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -102,6 +102,7 @@ def run_engine_core(
     )
     fault = parse_fault(engine_config.fault_injection) if attempt == 0 else None
     EngineLoop(core, input_conn, output_conn, stats_interval_s, parent, threads=adaptive_threads(core, parent), fault=fault).run()
+    core.close()
 
 
 FAULT_ENV = "GEMEL_FAULT_INJECTION"

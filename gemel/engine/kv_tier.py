@@ -124,6 +124,13 @@ class KVTier:
             _, (_, evicted) = self.host.popitem(last=False)
             self.host_used -= evicted.nbytes
 
+    def on_disk(self, block_hash: int) -> bool:
+        return block_hash in self.disk or block_hash in self._pending
+
+    def write(self, block_hash: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+        """Queue a block for the disk tier only (a block still in the pool, at shutdown)."""
+        self._to_disk(block_hash, token_ids, data)
+
     def _to_disk(self, block_hash: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
         if self.dir is None or self.disk_bytes <= 0:
             return

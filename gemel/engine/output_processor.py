@@ -106,6 +106,17 @@ class _Candidate:
                 return True
         return False
 
+    def resume_from(self, prev: CompletionOutput) -> None:
+        """Go on from what another engine produced: its tokens are this sequence's so far, and
+        the text a consumer saw of them is not sent again."""
+        c = self.out
+        c.token_ids = list(prev.token_ids)
+        if c.logprobs is not None:
+            c.logprobs = list(prev.logprobs or [])
+        c.finish_reason, c.stop_reason = prev.finish_reason, prev.stop_reason
+        self.full_text = prev.text if prev.finished else self.detok.add(list(prev.token_ids))
+        self.emitted = min(len(prev.text), len(self.full_text))
+
     def take_delta(self) -> None:
         """Expose text up to the hold-back margin (a stop string may still be forming)."""
         c = self.out
@@ -143,6 +154,14 @@ class RequestState:
         self.metrics: dict[str, float] = {"arrival": time.monotonic()}
         self.first_token_ts: float | None = None  # the step that gave the first token of any candidate
         self.observer_handles: list = []  # what each EngineObserver.begin_request returned
+
+    def resume_from(self, prev: RequestOutput) -> None:
+        """Continue a request another engine served up to ``prev`` (the last output its consumer
+        saw); its first token was counted there, so no TTFT is taken here."""
+        for cand, out in zip(self.candidates, prev.outputs):
+            cand.resume_from(out)
+        self.num_cached_tokens = prev.num_cached_tokens
+        self.first_token_ts = self.metrics["arrival"]
 
     def finished_stats(self, end: float, finish_reason: str | None = None) -> FinishedRequestStats:
         """This request's stats for metrics and tracing (``end``: monotonic, when it ended)."""

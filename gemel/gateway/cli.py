@@ -63,6 +63,7 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-share", type=_share, help="engine quota: most of the KV blocks, a share in (0, 1]")
     p.add_argument("--max-running-seqs", type=_limit, help="engine quota: most sequences running at once")
     p.add_argument("--require-signature", type=_yes_no, metavar="yes|no", help="refuse requests without X-LLM-Signature")
+    p.add_argument("--admin", type=_yes_no, metavar="yes|no", help="its keys may change routes (/admin/routes, gemel route)")
 
 
 def _apply_limits(tenant, args: argparse.Namespace) -> list[str]:
@@ -85,6 +86,9 @@ def _apply_limits(tenant, args: argparse.Namespace) -> list[str]:
     if args.require_signature is not None:
         tenant.require_signature = args.require_signature
         changed.append(f"require_signature={'yes' if args.require_signature else 'no'}")
+    if getattr(args, "admin", None) is not None:
+        tenant.admin = args.admin
+        changed.append(f"admin={'yes' if args.admin else 'no'}")
     return changed
 
 
@@ -186,6 +190,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(
             f"{t.id}\t{t.priority}\trpm={t.rpm or '-'}\ttpm={t.tpm or '-'}\tmax_concurrent={t.max_concurrent or '-'}"
             f"\t{' '.join(quota) or '-'}\t{'signature required' if t.require_signature else '-'}"
+            + ("\tadmin" if t.admin else "")
         )
         for k in t.api_keys:
             print(f"  api_key\t{k.id}\t{k.created or ''}\t{k.name or ''}")

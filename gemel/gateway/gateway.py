@@ -194,10 +194,11 @@ class Admission:
     generated: dict[int, int] = field(default_factory=dict)
     released: bool = False
 
-    async def admit_generation(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    async def admit_generation(self, prompt_tokens: int, max_new_tokens: int, overflow: bool = False) -> None:
+        """``overflow``: past a full class queue (a route's fallback, which waits on another engine)."""
         gw, tenant_id, cls = self.gateway, self.principal.tenant, self.principal.priority_class
         limit = gw.queue_limits[cls]
-        if gw.queued[cls] >= limit:
+        if gw.queued[cls] >= limit and not overflow:
             gw.counters.admission_rejected(tenant_id, "queue_full")
             raise Refusal(
                 503,

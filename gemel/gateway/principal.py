@@ -36,15 +36,16 @@ class Principal:
             return self.priority
         return max(self.priority, requested)
 
-    async def admit_generation(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    async def admit_generation(self, prompt_tokens: int, max_new_tokens: int, overflow: bool = False) -> None:
         """Before the engine sees it: the class queue bound (503) and the tokens/min reservation
-        (429) of prompt + maximum output. Raises ``gemel.api.errors.APIError``."""
+        (429) of prompt + maximum output. Raises ``gemel.api.errors.APIError``. ``overflow``:
+        a route's fallback taking a request its full class queue would refuse (not bounded by it)."""
         if self.admission is None:
             return
         from gemel.gateway.gateway import Refusal
 
         try:
-            await self.admission.admit_generation(prompt_tokens, max_new_tokens)
+            await self.admission.admit_generation(prompt_tokens, max_new_tokens, overflow)
         except Refusal as e:
             raise e.to_api_error() from None
 

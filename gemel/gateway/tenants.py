@@ -14,6 +14,7 @@ A YAML file, written by ``gemel keys`` and read by ``gemel serve --tenants PATH`
           max_kv_blocks_share: 0.5 # at most this share of the KV blocks
           max_running_seqs: 16     # at most this many sequences running at once
         require_signature: false   # true: every request must carry a valid X-LLM-Signature
+        admin: false               # true: its keys may change routes (/admin/routes, gemel route)
         api_keys:
           - id: 3f9a2b1c04d5       # the public key id inside the key (gml_<id>_<secret>)
             hash: scrypt$16384$8$1$<salt>$<digest>
@@ -105,6 +106,7 @@ class Tenant(BaseModel):
     max_concurrent: int | None = Field(None, ge=1, description="requests in flight at once")
     engine: EngineQuotaSpec = Field(default_factory=EngineQuotaSpec)
     require_signature: bool = False
+    admin: bool = Field(False, description="may read and change routes at run time (/admin/routes)")
     api_keys: list[ApiKeyRecord] = Field(default_factory=list)
     ed25519_keys: list[SigningKeyRecord] = Field(default_factory=list)
 

@@ -7,7 +7,9 @@
   engine step in the front end: the per-token latency heatmap's input;
 - recent TTFT and ITL samples, for percentiles over the last minute;
 - one sample a second of throughput, queues, KV-cache usage and prefix-cache hit rate
-  (five minutes of it), for the line charts.
+  (five minutes of it), for the line charts;
+- the routes' state when the server has routes (``routes``: weights, requests per target,
+  rollbacks, fallbacks), read when the page polls.
 
 ``GET /dashboard/data?since=N`` answers the summary, the series and the tokens after cursor
 ``N``; the page (``static/dashboard.html``, drawn with the vendored Apache ECharts build
@@ -77,6 +79,7 @@ class DashboardState:
         self.series: deque[dict] = deque(maxlen=SERIES_LEN)
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0}
         self.finish_reasons: dict[str, int] = {}
+        self.routes: Callable[[], list[dict]] | None = None  # the routes' snapshot (gemel.api.routes)
         self._sampler = Periodic(self.sample, SAMPLE_INTERVAL_S, "dashboard sampler")
 
     def observer(self, model_name: str) -> DashboardObserver:
@@ -204,6 +207,7 @@ class DashboardState:
                 "finish_reasons": dict(self.finish_reasons),
             },
             "series": out_series,
+            "routes": self.routes() if self.routes is not None else [],
             "tokens": {
                 "next": self.next_seq,
                 "columns": ["t_ms", "position", "latency_ms"],

@@ -217,6 +217,31 @@ class EngineStatsCollector(Collector):
             g_running, g_waiting, g_kv, g_up, c_preempt, c_queries, c_hits, c_drafts, c_draft_tokens, c_accepted, c_per_pos,
             c_restarts, c_tier_hits, c_tier_bytes,
         )
+        pools = [(model, engine) for model, engine in self.engines() if hasattr(engine, "replica_info")]
+        if pools:
+            yield from replica_families(pools)
+
+
+def replica_families(pools: list[tuple[str, Any]]) -> list:
+    """Models served by engine replicas (``gemel.scale``): how many run, and each one's load."""
+    g_count = GaugeMetricFamily(PREFIX + "replicas", "Engine replicas running the model.", labels=["model_name"])
+    labels = ["model_name", "replica"]
+    g_ongoing = GaugeMetricFamily(PREFIX + "replica_ongoing_requests", "Requests the front end has on the replica.", labels=labels)
+    g_running = GaugeMetricFamily(PREFIX + "replica_num_requests_running", "Requests in the replica's running batch.", labels=labels)
+    g_kv = GaugeMetricFamily(PREFIX + "replica_kv_cache_usage_perc", "The replica's KV-cache usage (1 = full).", labels=labels)
+    c_queries = CounterMetricFamily(PREFIX + "replica_prefix_cache_queries", "Prompt tokens the replica looked up in its prefix cache.", labels=labels)
+    c_hits = CounterMetricFamily(PREFIX + "replica_prefix_cache_hits", "Prompt tokens found in the replica's prefix cache.", labels=labels)
+    for model, pool in pools:
+        replicas = pool.replica_info()
+        g_count.add_metric([model], len(replicas))
+        for r in replicas:
+            key = [model, r["replica"]]
+            g_ongoing.add_metric(key, r["ongoing_requests"])
+            g_running.add_metric(key, r["num_running"])
+            g_kv.add_metric(key, r["kv_cache_usage"])
+            c_queries.add_metric(key, r["prefix_cache_queries"])
+            c_hits.add_metric(key, r["prefix_cache_hits"])
+    return [g_count, g_ongoing, g_running, g_kv, c_queries, c_hits]
 
 
 # The gateway's rejection counters: (attribute on GatewayCounters, metric name, second label).

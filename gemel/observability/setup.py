@@ -14,9 +14,11 @@ from gemel.observability.metrics import (
     EngineStatsCollector,
     GatewayCollector,
     GemelMetrics,
+    ResponseCacheCollector,
     StatsLogger,
     find_gateway_counters,
 )
+from gemel.gateway.routes import RoutesCollector
 from gemel.observability.tracing import Tracing, TracingMiddleware
 
 log = logging.getLogger("gemel.observability")
@@ -36,8 +38,12 @@ class Observability:
         )
         self.metrics.registry.register(EngineStatsCollector(self.engines))
         self.metrics.registry.register(GatewayCollector(self.gateway_counters))
+        self.metrics.registry.register(ResponseCacheCollector(lambda: getattr(server_state, "response_cache", None)))
+        self.metrics.registry.register(RoutesCollector(lambda: getattr(getattr(server_state, "routes", None), "table", None)))
         self.tracing = Tracing(cfg, exporter=span_exporter)
         self.dashboard = DashboardState(self.engines, cfg.token_timeline_size) if cfg.dashboard else None
+        if self.dashboard is not None and getattr(server_state, "routes", None) is not None:
+            self.dashboard.routes = server_state.routes.snapshot  # each route's split and rollbacks
         self.stats_logger = StatsLogger(self.metrics, self.engines, cfg.log_stats_interval_s)
         for model in server_state.models:
             if model.engine is None:

@@ -15,6 +15,7 @@ FORBIDDEN = {
     "models": ("engine", "api", "gateway", "observability"),
     "loader": ("engine", "api", "gateway", "observability"),
     "engine": ("api", "gateway"),
+    "scale": ("api", "gateway"),  # engine replicas sit below the front end, like the engine
 }
 
 

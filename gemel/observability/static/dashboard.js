@@ -134,6 +134,32 @@
     state.heatmapCells = data.length;
   }
 
+  // One row per route target: its weight and share now, requests it served, its canary window.
+  function drawRoutes(d) {
+    const routes = d.routes || [];
+    $("routes-panel").hidden = routes.length === 0;
+    const body = $("routes-table").tBodies[0];
+    body.replaceChildren();
+    const notes = [];
+    for (const r of routes) {
+      r.targets.forEach((t, i) => {
+        const w = t.slo_window;
+        const cells = [
+          i === 0 ? r.name : "", t.model + (t.canary ? " (canary)" : ""), t.engine || "", fmt(t.weight, 0),
+          fmt(100 * t.share, 1) + " %", t.requests, t.status + (t.reason ? `: ${t.reason}` : ""),
+          w ? `${w.seen}/${w.size}: ${fmt(w.ttft_p99_ms, 0)} ms / ${fmt(w.error_rate === null ? null : 100 * w.error_rate, 1)} %` : "–",
+          t.rollbacks,
+        ];
+        const row = body.insertRow();
+        if (t.status === "rolled_back") row.className = "rolled-back";
+        for (const c of cells) row.insertCell().textContent = String(c);
+      });
+      const fb = Object.entries(r.fallbacks || {}).map(([k, n]) => `${k} ${n}`).join(", ");
+      if (r.fallback) notes.push(`${r.name}: fallback ${r.fallback}` + (fb ? ` (served: ${fb})` : " (not used)"));
+    }
+    $("routes-fallbacks").textContent = notes.join(" · ");
+  }
+
   async function poll() {
     try {
       const url = state.since === null ? "/dashboard/data" : `/dashboard/data?since=${state.since}`;
@@ -146,6 +172,7 @@
       drawCards(d);
       drawSeries(d);
       drawHeatmap(d.now);
+      drawRoutes(d);
       state.polls += 1;
       state.lastError = null;
       $("status").textContent = `updated ${timeLabel(d.now)}`;

@@ -1,0 +1,5 @@
+"""Serving one model on several engine replicas through Ray Serve (``gemel serve --replicas N``).
+
+``router`` (which replica takes a prompt) and ``context`` import nothing heavy; ``pool`` and
+``replica`` import Ray, and only when replicas are configured.
+"""
