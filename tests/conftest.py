@@ -203,3 +203,9 @@ def redis_url(tmp_path_factory) -> str:
     yield url
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture
+def redis_factory():
+    """``start_redis`` for tests that need a Redis of their own (e.g. to stop it)."""
+    return start_redis

@@ -11,7 +11,6 @@ import pytest
 from gemel.gateway.gateway import Refusal
 from gemel.gateway.redis_ratelimit import RedisRateLimiter
 
-from conftest import start_redis
 
 
 def _run(coro):
@@ -62,8 +61,8 @@ def test_adjust_settles_across_front_ends(redis_url):
     assert not refused.allowed and after.allowed
 
 
-def test_unreachable_redis_falls_back_to_local_buckets(tmp_path, caplog):
-    url, proc = start_redis(str(tmp_path))
+def test_unreachable_redis_falls_back_to_local_buckets(tmp_path, caplog, redis_factory):
+    url, proc = redis_factory(str(tmp_path))
     proc.kill()
     proc.wait()
 
@@ -81,8 +80,8 @@ def test_unreachable_redis_falls_back_to_local_buckets(tmp_path, caplog):
     assert sum("unreachable" in r.message for r in caplog.records) == 1  # once per outage, not per request
 
 
-def test_unreachable_redis_refuses_when_set_to_deny(tmp_path):
-    url, proc = start_redis(str(tmp_path))
+def test_unreachable_redis_refuses_when_set_to_deny(tmp_path, redis_factory):
+    url, proc = redis_factory(str(tmp_path))
     proc.kill()
     proc.wait()
 
@@ -99,9 +98,9 @@ def test_unreachable_redis_refuses_when_set_to_deny(tmp_path):
     assert refusal.status == 503 and refusal.retry_after_s == 3 and refusal.code == "rate_limits_unavailable"
 
 
-def test_limits_are_shared_again_when_redis_returns(tmp_path):
+def test_limits_are_shared_again_when_redis_returns(tmp_path, redis_factory):
     async def scenario():
-        url, proc = start_redis(str(tmp_path))
+        url, proc = redis_factory(str(tmp_path))
         lim = RedisRateLimiter(url, prefix="t6:", timeout_s=0.2, retry_s=0.2)
         try:
             assert (await lim.acquire("k", 1, 60)).allowed
