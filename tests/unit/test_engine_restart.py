@@ -130,10 +130,9 @@ def test_kill_9_then_give_up_past_the_budget(tiny_llama_dir, reference):
         await asyncio.sleep(0.3)
         first = engine.pid
         os.kill(first, signal.SIGKILL)
-        while engine.state != "ready" or engine.pid == first:  # noticed, restarted, requests resubmitted
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)
-        os.kill(engine.pid, signal.SIGKILL)
+        while engine.pid == first:  # noticed, and a new engine process started
+            await asyncio.sleep(0.01)
+        os.kill(engine.pid, signal.SIGKILL)  # before it can finish the request: the budget of 1 is spent
 
     long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
 
