@@ -30,7 +30,7 @@ from gemel.engine.output_processor import OutputProcessor, RequestOutput, Reques
 from gemel.engine.protocol import EngineCoreRequest, EngineStats, TenantQuota
 from gemel.engine.supervisor import RestartBudget, RestartPolicy, exit_reason
 from gemel.loader.tokenizer import Tokenizer
-from gemel.observability.stats import EngineObserver, IterationStats
+from gemel.observability.stats import EngineObserver, IterationStats, notify_observers
 from gemel.sampling_params import SamplingParams
 
 log = logging.getLogger("gemel.engine.async")
@@ -331,17 +331,7 @@ class AsyncLLM:
         return handles
 
     def _notify(self, it: IterationStats) -> None:
-        for obs in self.observers:
-            try:
-                obs.on_iteration(it)
-            except Exception:
-                log.exception("observer %r failed", obs)
-        for fs in it.finished:
-            for obs, handle in zip(self.observers, fs.observer_handles):
-                try:
-                    obs.end_request(handle, fs)
-                except Exception:
-                    log.exception("observer %r failed at request end", obs)
+        notify_observers(self.observers, it)
 
     # -- the pipes (threads) ---------------------------------------------------------------
     def _send(self, msg) -> None:

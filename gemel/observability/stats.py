@@ -130,3 +130,22 @@ class EngineObserver:
 
     def end_request(self, handle: Any, stats: FinishedRequestStats) -> None:
         pass
+
+
+def notify_observers(observers: list[EngineObserver], it: IterationStats) -> None:
+    """Hand one engine message's stats to every observer, then close each finished request's
+    handles; an observer that fails is logged and never fails the request."""
+    import logging
+
+    log = logging.getLogger("gemel.observability")
+    for obs in observers:
+        try:
+            obs.on_iteration(it)
+        except Exception:
+            log.exception("observer %r failed", obs)
+    for fs in it.finished:
+        for obs, handle in zip(observers, fs.observer_handles):
+            try:
+                obs.end_request(handle, fs)
+            except Exception:
+                log.exception("observer %r failed at request end", obs)

@@ -43,7 +43,7 @@ from gemel.engine.async_llm import EngineDeadError, EngineNotReadyError, Request
 from gemel.engine.output_processor import RequestOutput
 from gemel.engine.protocol import EngineStats, TenantQuota
 from gemel.engine.supervisor import RestartPolicy
-from gemel.observability.stats import EngineObserver, FinishedRequestStats, IterationStats, tenant_label
+from gemel.observability.stats import EngineObserver, FinishedRequestStats, IterationStats, notify_observers, tenant_label
 from gemel.sampling_params import SamplingParams
 from gemel.scale.context import note_replica
 from gemel.scale.router import POOLS, PrefixRouter, RouteHint
@@ -483,17 +483,7 @@ class ReplicaPool:
             for fs in it.finished:
                 fs.observer_handles = self._handles.pop(fs.request_id, [])
                 self._orphans.pop(fs.request_id, None)
-            for obs in self.observers:
-                try:
-                    obs.on_iteration(it)
-                except Exception:
-                    log.exception("observer %r failed", obs)
-            for fs in it.finished:
-                for obs, handle in zip(self.observers, fs.observer_handles):
-                    try:
-                        obs.end_request(handle, fs)
-                    except Exception:
-                        log.exception("observer %r failed at request end", obs)
+            notify_observers(self.observers, it)
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(
