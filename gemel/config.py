@@ -440,9 +440,15 @@ class ScaleConfig(BaseModel):
     graceful_shutdown_s: float = Field(
         60.0, gt=0, description="a replica being removed finishes its requests this long; the rest resume on another"
     )
+    attach: bool = Field(
+        False, description="send to the replicas' Ray Serve application already running on the cluster at ray_address "
+        "(KubeRay's RayService deploys it from gemel.scale.app:build and this same file) instead of deploying it"
+    )
 
     @model_validator(mode="after")
     def _one_way(self) -> ScaleConfig:
+        if self.attach and not self.ray_address:
+            raise ValueError("scale.attach needs scale.ray_address: the cluster whose application it uses")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ValueError("scale.min_replicas and scale.max_replicas go together")
         if self.min_replicas is not None:

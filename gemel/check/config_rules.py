@@ -595,6 +595,8 @@ KV_MEMORY_SHARE = 0.5
 def _eng_kv_memory(inp: Inputs) -> Result:
     if inp.config.engine.device == "cuda":
         return skipped("engine.device=cuda: the KV cache lives in GPU memory")
+    if inp.config.scale.attach:
+        return skipped("scale.attach: the engines run as Ray Serve replicas on the Ray cluster's nodes, not beside this front end")
     if inp.memory_mb is None:
         return skipped("memory size unknown (no /proc/meminfo; give --memory-mb)")
     plans = kv_plans(inp)

@@ -22,7 +22,9 @@ of them to another replica with the output it had streamed so far (``AsyncLLM.ge
 
 Ray: the pool starts a local Ray instance itself (``ray.init(num_cpus=<cores>,
 include_dashboard=False)``, shut down with the last pool) unless ``scale.ray_address`` names a
-running cluster to join. Ray is imported here, and only when a pool is built.
+running cluster to join. Ray is imported here, and only when a pool is built. With
+``scale.attach`` the pool deploys nothing: it sends to the application someone else deployed on
+that cluster from the same settings (KubeRay, through ``gemel.scale.app``).
 """
 
 from __future__ import annotations
@@ -214,6 +216,8 @@ class ReplicaPool:
 
     def _describe_scale(self) -> str:
         s = self.scale
+        if s.attach:
+            return f"attaching to the Ray Serve application {self.app_name} on {s.ray_address}, routing {s.routing}"
         if s.autoscaling:
             count = f"{s.min_replicas}..{s.max_replicas} replicas (autoscaling on ongoing requests, target {s.target_ongoing_requests:g})"
         else:
@@ -236,13 +240,11 @@ class ReplicaPool:
         self._tasks.append(asyncio.ensure_future(self._poll_loop()))
 
     def _run_deployment(self) -> None:
-        """Blocking (a worker thread): Ray, then the application, until its replicas are up."""
+        """Blocking (a worker thread): Ray, then the application, until its replicas are up (or,
+        attaching, until the application exists)."""
         import_ray()
         import ray.exceptions
         from ray import serve
-        from ray.serve.config import RequestRouterConfig
-
-        from gemel.scale.replica import EngineReplica
 
         if self.state == "stopped":  # shut down before Ray started
             return
@@ -252,6 +254,43 @@ class ReplicaPool:
         if hasattr(ray.exceptions, "ActorUnavailableError"):
             lost.append(ray.exceptions.ActorUnavailableError)
         self._lost_errors = (_ReplicaLost, *lost)
+        if self.scale.attach:
+            handle = self._attach()
+        else:
+            handle = serve.run(self.application(), name=self.app_name, route_prefix=None)
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+
+    def _attach(self):
+        """The handle of the application deployed by someone else, once it exists (KubeRay deploys
+        it when its cluster is up, which may be after this front end starts, and an application
+        being built has no handle yet)."""
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            try:
+                handle = serve.get_app_handle(self.app_name)
+                break
+            except RayServeException:
+                if self.state == "stopped":
+                    raise RuntimeError("stopped while waiting for the application") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no Ray Serve application {self.app_name} on {self.scale.ray_address} after "
+                                       f"{self.ready_timeout_s:g}s (scale.attach: something else deploys it)") from None  # fmt: skip
+                time.sleep(1.0)
+        log.info("model %s: attached to the Ray Serve application %s", self.model_id, self.app_name)
+        return handle
+
+    def application(self):
+        """The Ray Serve application of this model's replicas: what ``gemel serve`` deploys, and
+        what ``gemel.scale.app.build`` gives a RayService to deploy from the same settings."""
+        from ray import serve
+        from ray.serve.config import RequestRouterConfig
+
+        from gemel.scale.replica import EngineReplica
+
         s = self.scale
         options: dict[str, Any] = dict(
             name="engine",
@@ -276,12 +315,9 @@ class ReplicaPool:
         else:
             options["num_replicas"] = s.replicas
         restart = asdict(self.restart_policy)
-        app = serve.deployment(EngineReplica, **options).bind(
+        return serve.deployment(EngineReplica, **options).bind(
             self.config.model_dump(), self.stats_interval_s, self.log_level, restart, self.ready_timeout_s
         )
-        handle = serve.run(app, name=self.app_name, route_prefix=None)
-        self._handle = handle
-        self._stream = handle.options(stream=True)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         for task in self._tasks:
@@ -302,7 +338,7 @@ class ReplicaPool:
         from ray import serve
 
         try:
-            if self.scale.ray_address and self._deployed:
+            if self.scale.ray_address and self._deployed and not self.scale.attach:  # an attached one is not ours
                 serve.delete(self.app_name)
         finally:
             release_ray()
