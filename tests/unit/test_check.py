@@ -370,7 +370,8 @@ def _subst(value: Any, certs: Path) -> Any:
 
 def _k8s(edit) -> Manifests:
     m = load_manifests(K8S)
-    docs = {o.kind: copy.deepcopy(o.doc) for o in m.objects}
+    # the single-engine form's files (deploy/k8s/ray/ is the Ray Serve form, with a Deployment of its own)
+    docs = {o.kind: copy.deepcopy(o.doc) for o in m.objects if Path(o.file).parent == K8S}
     if edit:
         edit(docs)
     return Manifests(str(K8S), [K8sObject(kind, d["metadata"]["name"], "default", d, f"{kind}.yaml") for kind, d in docs.items()])
