@@ -25,9 +25,12 @@ metrics and traces.
 * Metadata: initial metadata carries ``x-request-id``, ``x-model-id``, ``x-model-version``
   and ``traceparent`` (and ``x-gemel-fallback`` when a route's fallback model answers; a
   route's sticky user comes in ``x-gemel-user``; ``x-gemel-cache`` while the response cache is
-  on, sent once it has answered, and ``cache-control: no-cache`` in the call's metadata skips
-  its read); trailing metadata ``x-inference-latency-ms``
-  (and ``retry-after`` on RESOURCE_EXHAUSTED / UNAVAILABLE).
+  on, and ``cache-control: no-cache`` in the call's metadata skips its read; ``x-gemel-replica``
+  when engine replicas serve the model, as the REST headers); trailing metadata
+  ``x-inference-latency-ms`` (and ``retry-after`` on RESOURCE_EXHAUSTED / UNAVAILABLE, and
+  ``x-gemel-replica`` again when another replica took the request over after the initial
+  metadata went out). A generation's initial metadata goes out with its first message (unary:
+  the answer), when the replica is known, as the REST headers go out with the first token.
 * Reflection: served from gemel's own descriptor pool (``gemel.api.grpc_service``).
 * Shutdown: while ``gemel serve`` drains (``gemel.api.drain``), new calls end UNAVAILABLE
   with ``retry-after`` and running ones count towards the drain.
@@ -67,6 +70,7 @@ from gemel.api.state import ServedModel, ServerState
 from gemel.cache.keys import cache_directives
 from gemel.config import GrpcConfig
 from gemel.gateway.principal import Principal
+from gemel.scale.context import REQUEST_STATE
 
 log = logging.getLogger("gemel.grpc")
 
@@ -144,6 +148,8 @@ class Call:
         self.model: ServedModel | None = None
         self.route: RouteDecision | None = None  # set when the call named a route
         self.cache: str | None = None  # x-gemel-cache of a generation (initial metadata)
+        self.replica: str | None = None  # x-gemel-replica: noted by a replica pool (gemel.scale.context)
+        self._replica_sent: str | None = None
         self.admission = None
         self.initial_sent = False
         self._span = None
@@ -216,12 +222,17 @@ class Call:
             md.append((FALLBACK_HEADER, self.route.fallback.id))
         if self.cache:
             md.append(("x-gemel-cache", self.cache))
+        if self.replica:
+            md.append(("x-gemel-replica", self.replica))
+            self._replica_sent = self.replica
         await self.context.send_initial_metadata(md)
 
     def _trailing(self) -> list[tuple[str, str]]:
         md = [("x-inference-latency-ms", f"{(time.perf_counter() - self.started) * 1000:.1f}")]
         if not self.initial_sent:
             md.append(("x-request-id", self.request_id))
+        if self.replica and self.replica != self._replica_sent:  # resumed on another replica after the headers
+            md.append(("x-gemel-replica", self.replica))
         return md
 
     def succeed(self) -> None:
@@ -229,7 +240,10 @@ class Call:
         self.end_span(grpc.StatusCode.OK)
 
     async def fail(self, exc: BaseException, progress: str = "") -> None:
-        """End the call with the status of ``exc`` (raises grpc's AbortError)."""
+        """End the call with the status of ``exc`` (raises grpc's AbortError); the model that
+        took the call is named in initial metadata even when it failed before answering."""
+        if self.model is not None:
+            await self.send_initial()
         err = self.surface.api_error(exc, self.deadline, progress)
         code = grpc_code(err.status)
         status = rpc_status(err)
@@ -339,25 +353,25 @@ class GrpcSurface:
         return principal, req, model
 
     async def _start_generation(self, call: Call, raw: bytes, method: str) -> tuple[Generation, Guard]:
-        cached = self.state.response_cache is not None  # x-gemel-cache joins the initial metadata once known
-        principal, req, model = await self._served(call, raw, method, "generate", announce=not cached)
+        """Start the call's generation. The caller sends the initial metadata with the first
+        message, once the response cache (x-gemel-cache) and a replica pool (x-gemel-replica,
+        noted on ``call`` through ``REQUEST_STATE``, as for a REST request) have said their part;
+        ``Call.fail`` sends it when the call fails first."""
+        REQUEST_STATE.set(call)  # this call's task (and the tasks it starts) only
+        principal, req, model = await self._served(call, raw, method, "generate", announce=False)
         guard = deadline_guard(call.deadline)
-        try:
-            gen_req = generation_request(model, req, call.deadline)
-            gen_req.route = call.route
-            gen_req.no_cache, gen_req.no_store = cache_directives(call.headers.get("cache-control"))
-            gen = await start_generation(self.state, gen_req, principal, guard)
-        except Exception:
-            await call.send_initial()
-            raise
+        gen_req = generation_request(model, req, call.deadline)
+        gen_req.route = call.route
+        gen_req.no_cache, gen_req.no_store = cache_directives(call.headers.get("cache-control"))
+        gen = await start_generation(self.state, gen_req, principal, guard)
         call.cache = gen.cache
-        await call.send_initial()
         return gen, guard
 
     async def generate_content(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def body(call: Call, raw: bytes):
             gen, guard = await self._start_generation(call, raw, "GenerateContent")
             (out,) = await finish(gen, guard)
+            await call.send_initial()
             return _response(response_builder(gen).unary(out))
 
         return await self._unary("GenerateContent", raw, context, body)
@@ -380,8 +394,10 @@ class GrpcSurface:
                 if chunk is None and out.finished and sent == 0:
                     chunk = builder.unary(out)
                 if chunk is not None:
+                    await call.send_initial()  # the first output named the replica
                     yield _response(chunk)
                     sent += 1
+            await call.send_initial()  # a stream without chunks still names its model
         except asyncio.CancelledError:
             call.cancelled()
             raise
