@@ -1,9 +1,11 @@
 """``gemel serve`` with two engine replicas on a local Ray instance it starts itself.
 
-Both replicas serve (``x-gemel-replica`` names each over prompts that share nothing),
-requests sharing a long system prompt land on one replica (and hit its prefix cache), and
-neither a killed replica engine (restarted inside its replica) nor a killed replica worker
-(its requests resumed on the other replica, Ray Serve starting a new one) loses a request.
+Both replicas serve (``x-gemel-replica`` names each over prompts that share nothing, on REST
+and as gRPC metadata), requests sharing a long system prompt land on one replica (and hit its
+prefix cache), a second front end attaches to the replicas' application without deploying or
+deleting it (``scale.attach``, as under KubeRay's RayService), and neither a killed replica
+engine (restarted inside its replica) nor a killed replica worker (its requests resumed on the
+other replica, Ray Serve starting a new one) loses a request.
 Uses its own server: it kills parts of it.
 """
 
@@ -12,14 +14,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import pytest
+from google.ai.generativelanguage_v1beta import types
 
-from conftest import start_server
+from conftest import free_port, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +41,16 @@ SYSTEM = (
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, grpc_port):
     srv = start_server(
-        tmp_path_factory.mktemp("scale"), name="scale", extra_config="embeddings: null\nscale:\n  replicas: 2\n", ready_timeout=420
-    )
+        tmp_path_factory.mktemp("scale"), name="scale", extra_config="embeddings: null\nscale:\n  replicas: 2\n",
+        ready_timeout=420, grpc_port=grpc_port,
+    )  # fmt: skip
     yield srv
     srv.stop()
     assert srv.proc.returncode == 0, srv.log()
@@ -97,6 +109,96 @@ def test_both_replicas_serve(pair):
     assert f'gemel:replicas{{model_name="{MODEL}"}} 2.0' in metrics
     assert all(f'gemel:replica_ongoing_requests{{model_name="{MODEL}",replica="{r}"}}' in metrics for r in replicas)
     assert httpx.get(f"{pair.url}/readyz", timeout=10).status_code == 200
+
+
+def test_grpc_metadata_names_the_replica(pair, grpc_port):
+    """gRPC answers carry x-gemel-replica in their initial metadata, as REST answers carry the header."""
+    replicas = {r["replica"] for r in _stats(pair)["replicas"]}
+    service = "/google.ai.generativelanguage.v1beta.GenerativeService"
+    request = types.GenerateContentRequest(
+        model="models/gemini-2.0-flash", contents=[types.Content(role="user", parts=[types.Part(text="Name a colour.")])],
+        generation_config=types.GenerationConfig(max_output_tokens=4),
+    )  # fmt: skip
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        unary = channel.unary_unary(f"{service}/GenerateContent", request_serializer=types.GenerateContentRequest.serialize,
+                                    response_deserializer=types.GenerateContentResponse.deserialize)  # fmt: skip
+        response, call = unary.with_call(request, timeout=120)
+        initial = dict(call.initial_metadata())
+        assert response.candidates[0].content.parts[0].text
+        assert initial["x-gemel-replica"] in replicas and initial["x-model-id"] == MODEL
+        assert "x-gemel-replica" not in dict(call.trailing_metadata())  # no other replica took it over
+        stream = channel.unary_stream(f"{service}/StreamGenerateContent", request_serializer=types.GenerateContentRequest.serialize,
+                                      response_deserializer=types.GenerateContentResponse.deserialize)(request, timeout=120)  # fmt: skip
+        assert list(stream)
+        assert dict(stream.initial_metadata())["x-gemel-replica"] in replicas
+
+
+# A second front end in another process: a replica pool with scale.attach on the server's Ray
+# instance, which must find the server's application, generate on one of its replicas and,
+# on shutdown, leave the application to the server.
+ATTACH = r"""
+import asyncio, logging, sys, types, uuid
+from gemel.config import load_config
+from gemel.sampling_params import SamplingParams
+from gemel.scale.context import REQUEST_STATE
+from gemel.scale.pool import ReplicaPool
+
+async def main(path, address):
+    config = load_config(path)
+    scale = config.scale.model_copy(update={"attach": True, "ray_address": address})
+    entry = config.models[0]
+    pool = ReplicaPool(entry.id, config.engine_config(entry), scale, stats_interval_s=0.2, ready_timeout_s=60)
+    await pool.start()
+    try:
+        await pool.wait_ready(120)
+        state = types.SimpleNamespace(replica=None)
+        REQUEST_STATE.set(state)
+        prompt = "The lighthouse keeper wrote"
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        async for out in pool.generate(uuid.uuid4().hex, prompt, pool.tokenizer.encode_rendered(prompt), params):
+            pass
+        print("replica", state.replica, "tokens", len(out.outputs[0].token_ids), "known", ",".join(sorted(pool.router.replicas)))
+    finally:
+        await pool.shutdown()
+
+logging.basicConfig(level=logging.INFO)
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _gcs_address(srv) -> str:
+    """The GCS address of the Ray instance the server started (its raylet's command line)."""
+    import psutil
+
+    for proc in psutil.Process(srv.proc.pid).children(recursive=True):
+        try:
+            args = proc.cmdline()
+        except psutil.Error:
+            continue
+        for arg in args:
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1]
+    raise AssertionError("no raylet under the server")
+
+
+def test_a_front_end_attaches_to_the_application(pair):
+    replicas = {r["replica"] for r in _stats(pair)["replicas"]}
+    config = pair.log_path.with_name("scale.yaml")
+    # Ray's token authentication: a driver joining a running cluster sends the token only in
+    # token mode (the local instance's token is the user's ~/.ray/auth_token)
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+    out = subprocess.run([sys.executable, "-c", ATTACH, str(config), _gcs_address(pair)],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    words = out.stdout.split()
+    report = dict(zip(words[::2], words[1::2]))
+    assert report["replica"] in replicas and report["tokens"] == "4", out.stdout
+    assert set(report["known"].split(",")) == replicas  # Ray Serve's router told the attached pool the set
+    assert "attached to the Ray Serve application gemel-" in out.stderr
+    # the server's application outlived the attached front end
+    status, replica, text, tokens = _completion(pair.url, "After the fair, the square", max_tokens=4)
+    assert status == 200 and tokens == 4 and replica in replicas
+    assert {r["replica"] for r in _stats(pair)["replicas"]} == replicas
 
 
 def test_a_shared_system_prompt_stays_on_one_replica(pair):
