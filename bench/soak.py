@@ -365,7 +365,17 @@ def rss_summary(samples: list[dict], warmup_s: float) -> dict | None:
     warm = next((s for s in samples if s["t"] >= warmup_s), samples[0])
     end = samples[-1]
     growth = {k: (end[k] / warm[k] - 1) * 100 if warm[k] else math.nan for k in ("total_mib", "api_mib", "engine_mib")}
-    return {"warmup": warm, "end": end, "growth_pct": growth}
+    # Each engine process separately, from its own warm-up (the same delay after its first
+    # sample) to its last sample: a restart resets the engine's memory, which would hide a leak
+    # in the whole run's growth.
+    lives = []
+    for pid in dict.fromkeys(s["engine_pid"] for s in samples):
+        own = [s for s in samples if s["engine_pid"] == pid]
+        start = next((s for s in own if s["t"] >= own[0]["t"] + warmup_s), None)
+        if start is not None and start is not own[-1] and start["engine_mib"]:
+            lives.append({"engine_pid": pid, "from_t": start["t"], "to_t": own[-1]["t"], "from_mib": start["engine_mib"],
+                          "to_mib": own[-1]["engine_mib"], "growth_pct": (own[-1]["engine_mib"] / start["engine_mib"] - 1) * 100})
+    return {"warmup": warm, "end": end, "growth_pct": growth, "engine_lives": lives}
 
 
 def report(soak: Soak, info: dict, args: argparse.Namespace, log_path: str | None) -> dict:
@@ -400,6 +410,9 @@ def report(soak: Soak, info: dict, args: argparse.Namespace, log_path: str | Non
             print(f"{label:<14}{w[key]:>14.0f}{e[key]:>14.0f}{g[key]:>+9.1f}%")
         if w["engine_pid"] != e["engine_pid"]:
             print(f"(engine: pid {w['engine_pid']} at warm-up, pid {e['engine_pid']} at the end, its restarted process)")
+        for life in rss["engine_lives"]:
+            print(f"engine pid {life['engine_pid']:<7} t={life['from_t']:.0f}s {life['from_mib']:>7.0f}  t={life['to_t']:.0f}s "
+                  f"{life['to_mib']:>7.0f}  {life['growth_pct']:>+6.1f}%  (its own life, after its warm-up)")
     else:
         print("\nRSS: not measured (no server process found on this machine; pass --pid)")
     for verdict in ("lost", "corrupted", "near-tie"):
