@@ -71,6 +71,10 @@ class KVTier:
         self._lock = threading.Lock()  # the disk index, shared with the writer thread
         self._pending: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # queued for disk, still readable
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemel-kv-tier") if self.dir else None
+        # Buffers of blocks host memory let go, for the next evicted block to be copied into:
+        # once the tier is full, every save evicts one, and a fresh allocation of a few hundred
+        # KB is an mmap and a page fault per 4 KB, which cost more than the copy itself.
+        self._spare: list[torch.Tensor] = []
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -118,11 +122,26 @@ class KVTier:
         old = self.host.pop(block_hash, None)
         if old is not None:
             self.host_used -= old[1].nbytes
+            self._recycle(block_hash, old[1])
         self.host[block_hash] = (token_ids, data)
         self.host_used += data.nbytes
         while self.host_used > self.cpu_bytes and self.host:
-            _, (_, evicted) = self.host.popitem(last=False)
+            evicted_hash, (_, evicted) = self.host.popitem(last=False)
             self.host_used -= evicted.nbytes
+            self._recycle(evicted_hash, evicted)
+
+    def spare_buffer(self) -> torch.Tensor | None:
+        """A buffer host memory no longer holds, to copy the next evicted block into (None:
+        allocate one)."""
+        return self._spare.pop() if self._spare else None
+
+    def _recycle(self, block_hash: int, data: torch.Tensor) -> None:
+        with self._lock:  # a block still queued for the disk keeps its buffer until written
+            pending = self._pending.get(block_hash)
+            if pending is not None and pending[1] is data:
+                return
+        if len(self._spare) < 8 and (not self._spare or self._spare[0].shape == data.shape):
+            self._spare.append(data)
 
     def on_disk(self, block_hash: int) -> bool:
         return block_hash in self.disk or block_hash in self._pending
@@ -254,7 +273,8 @@ class KVOffload:
         self.runner = runner
 
     def save(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        self.tier.put(block_hash, token_ids, self.runner.read_block(block_id))
+        out = self.tier.spare_buffer()
+        self.tier.put(block_hash, token_ids, self.runner.read_block(block_id, out))
 
     def has(self, block_hash: int) -> bool:
         return self.tier.has(block_hash)

@@ -259,11 +259,25 @@ class ModelRunner:
             for cache in layer:
                 cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """A copy of one block's KV in every layer, on the CPU: [layers, 2 (K, V), kv_heads,
-        block_size, row] (what the KV tier keeps of a block the pool evicts)."""
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of ``read_block``'s copy: [layers, 2 (K, V), kv_heads, block_size, row]."""
+        heads, _, row = self.kv_caches[0][0].shape
+        return (len(self.kv_caches), 2, heads, self.block_size, row)
+
+    def read_block(self, block_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of one block's KV in every layer, on the CPU, shaped as ``block_shape`` (what
+        the KV tier keeps of a block the pool evicts). ``out``, a buffer of that shape and the
+        cache's dtype, is filled and returned instead of a new tensor: one copy, no allocation
+        (a pool that evicts a block for every new one pays this on every block)."""
         sl = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
-        return torch.stack([torch.stack((k[:, sl], v[:, sl])) for k, v in self.kv_caches]).to("cpu", copy=True)
+        slices = [half[:, sl] for layer in self.kv_caches for half in layer]
+        if out is None:
+            return torch.stack(slices).to("cpu").view(self.block_shape())
+        if self.device.type == "cpu":
+            torch.stack(slices, out=out.view(len(slices), *out.shape[2:]))
+        else:
+            out.copy_(torch.stack(slices).view(out.shape))
+        return out
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Put a block ``read_block`` copied back into pool slot ``block_id``."""
