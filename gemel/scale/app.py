@@ -14,7 +14,7 @@ cluster it creates, and updates them in place). For gemel that application is th
 for the model, so the replicas' engine settings, resources, autoscaling and request router are
 exactly those of ``gemel serve``; the front end, with ``scale.attach: true``, then sends to that
 application instead of deploying its own. Ray Serve runs the builder as a task on any node, so
-every node needs the file (deploy/k8s/rayservice.yaml mounts it on all of them).
+every node needs the file (deploy/k8s/ray/rayservice.yaml mounts it on all of them).
 """
 
 from __future__ import annotations
