@@ -50,9 +50,12 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_memory_mb: int = Field(2048, ge=1, description="memory budget for the KV cache")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_mb when set")
-    kv_cache_dtype: Literal["auto", "int8"] = Field(
+    kv_cache_dtype: Literal["auto", "float16", "int8"] = Field(
         "auto",
-        description="auto: the model's dtype; int8: each token's keys and values per KV head as int8 codes with one "
+        description="auto: the model's dtype, except float16 where the kernel plan computes in float32 on the "
+        "integer kernels (CPUs without native bf16: half the bytes for decode attention to read, as llama.cpp's f16 "
+        "default); float16: float16 keys and values under a float32 model (dtype float32 only); "
+        "int8: each token's keys and values per KV head as int8 codes with one "
         "float32 scale (as llama.cpp's q8_0 cache): about half the bytes, so decode attention on CPU reads half the "
         "memory and twice the tokens fit; slightly different outputs",
     )

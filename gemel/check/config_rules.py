@@ -576,6 +576,8 @@ def kv_plans(inp: Inputs) -> list[KvPlan]:
         layers, kv_heads, head_dim, native = dims
         if e.kv_cache_dtype == "int8":
             row, note = head_dim + 4, "int8 KV"
+        elif e.kv_cache_dtype == "float16":
+            row, note = head_dim * 2, "float16 KV"
         else:
             elem, note = _kv_elem(inp, e.dtype)
             row = int(head_dim * elem)

@@ -73,7 +73,10 @@ class EngineCore:
     def _build_kv_cache(self) -> tuple[torch.dtype, int]:
         """The KV cache's element type and size in blocks, and the block manager."""
         config = self.config
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        if config.kv_cache_dtype == "float16" and self.dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype float16 needs dtype float32 (this engine computes in "
+                             f"{str(self.dtype).removeprefix('torch.')}); use kv_cache_dtype auto")
+        kv_dtype = {"int8": torch.int8, "float16": torch.float16}.get(config.kv_cache_dtype) or self.plan.kv_dtype or self.dtype
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_mb * 2**20 // (config.block_size * kv_bytes_per_token(self.loaded.arch, kv_dtype))
         )

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gemel.layers.kv_cache import dequantize_rows, is_int8, quantize_rows
+from gemel.layers.kv_cache import dequantize_rows, is_int8, kernels_take, quantize_rows
 
 
 @dataclass
@@ -184,8 +184,8 @@ def _values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _kernel_reads(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the C++ kernels take this cache: q's own dtype, or int8 rows."""
-    return q.dtype == cache.dtype or is_int8(cache)
+    """Whether the C++ kernels take this cache (``kv_cache.kernels_take``)."""
+    return kernels_take(q.dtype, cache)
 
 
 def _gather_context(cache: torch.Tensor, kv_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

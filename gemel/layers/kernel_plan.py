@@ -164,6 +164,7 @@ class KernelPlan:
     int8_act_max_rows: int | None  # ... up to this many rows (None: all)
     amx_max_rows: int  # AMX bf16 tiles up to this many rows (0: none)
     prepack_bf16: bool  # oneDNN-blocked bf16 weights for the dense GEMM
+    kv_dtype: "torch.dtype | None" = None  # the KV cache's element type under kv_cache_dtype auto (None: dtype)
 
     def rows_table(self) -> list[tuple[str, str]]:
         """(rows, kernel) for each range of call sizes, smallest first, for a projection that has
@@ -197,6 +198,8 @@ class KernelPlan:
         lines = [f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
                  f"isa={self.isa or '-'} kernels={'built' if self.kernels else 'PyTorch only'}"]
         lines += [f"  rows {rows:>7}: {kernel}" for rows, kernel in self.rows_table()]
+        if self.kv_dtype is not None and self.kv_dtype != self.dtype:
+            lines.append(f"  KV cache: {str(self.kv_dtype).removeprefix('torch.')} (kv_cache_dtype auto)")
         return "\n".join(lines)
 
 
@@ -275,6 +278,9 @@ def plan_engine(
         int8_act_max_rows=int8_act_max_rows,
         amx_max_rows=amx_max_rows,
         prepack_bf16=prepack,
+        # float32 on the integer kernels: the KV cache in float16 (the kernels widen its rows as
+        # they read them), half the bytes a decode step's attention reads, as llama.cpp's f16 cache
+        kv_dtype=torch.float16 if every_call_int8 else None,
     )
     return plan, warnings
 

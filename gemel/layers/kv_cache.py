@@ -21,6 +21,14 @@ def is_int8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.int8
 
 
+def kernels_take(q_dtype: torch.dtype, cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels read and write ``cache`` for queries of ``q_dtype``: the same
+    dtype, int8 rows, or float16 under float32 (the AVX2 plan's cache)."""
+    return (
+        cache.dtype == q_dtype or is_int8(cache) or (cache.dtype == torch.float16 and q_dtype == torch.float32)
+    )
+
+
 def row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
     """Last dimension of a cache tensor: the head size, plus the scale's bytes for int8."""
     return head_dim + SCALE_BYTES if kv_dtype == torch.int8 else head_dim

@@ -9,7 +9,7 @@ from torch import nn
 from gemel.layers import fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_llama
-from gemel.layers.kv_cache import is_int8
+from gemel.layers.kv_cache import kernels_take
 from gemel.layers.linear import Linear, gated_mlp
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from gemel.models.config import ModelArchConfig
@@ -58,7 +58,7 @@ class LlamaLayer(nn.Module):
         else:
             x, h = fused.add_rms_norm_llama(x, mlp_out, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv_proj(h)
-        if kv_cache[0].dtype == qkv.dtype or is_int8(kv_cache[0]):
+        if kernels_take(qkv.dtype, kv_cache[0]):
             q = fused.rotary_q_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim)
             k = v = None  # already in the cache

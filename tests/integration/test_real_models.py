@@ -112,8 +112,8 @@ def _logprob_error(llm: LLM, reference: Reference, i: int) -> float:
 @pytest.mark.parametrize("path", list(PATHS))
 def test_each_kernel_path_matches_transformers_float32(reference: Reference, path: str):
     """Greedy tokens equal to transformers' float32, or a divergence only where the reference's
-    own top-2 logits are within the path's stated gap (and gemel's token is its runner-up), and
-    the log-probabilities of every prompt compared position by position."""
+    own top-2 logits are within the path's stated gap and gemel's token is within that gap of
+    the reference's, and the log-probabilities of every prompt compared position by position."""
     from gemel.layers import kernel_plan
 
     settings, gap_bound, logprob_bound = PATHS[path]
@@ -136,8 +136,11 @@ def test_each_kernel_path_matches_transformers_float32(reference: Reference, pat
             continue
         j = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         ref = torch.log_softmax(hf_logits(reference.hf, reference.prompts[i] + ours[:j])[-1], -1)
-        runner_up = ours[j] in ref.topk(2).indices.tolist()
-        divergences.append((i, j, round(float(ref[theirs[j]] - ref[ours[j]]), 3) if runner_up else None))
+        top2 = ref.topk(2).values
+        # a near-tie: the reference's own top two within the bound, and gemel's token within
+        # it of the reference's choice (third of three nearly equal candidates counts too)
+        tie = float(top2[0] - top2[1]) <= gap_bound
+        divergences.append((i, j, round(float(ref[theirs[j]] - ref[ours[j]]), 3) if tie else None))
     mean_error = sum(errors) / len(errors)
     print(f"{reference.model} {path}: divergences (prompt, step, reference's top-2 gap) {divergences}; "
           f"largest log-prob error per prompt {[round(e, 3) for e in errors]}, mean {mean_error:.3f}")

@@ -176,7 +176,8 @@ inline void quantize_kv_row(const float* x, int64_t n, int8_t* row) {
 // [tokens, head_dim] tables of the step, both halves equal). q goes to q_out [tokens,
 // num_heads, head_dim]. k goes to k_out [tokens, num_kv_heads, head_dim], or, with slots,
 // straight into the KV cache (C = T: [num_kv_heads, num_slots, head_dim]; C = int8_t: rows of
-// head_dim + 4) at each token's slot, and then v is stored into v_cache there too.
+// head_dim + 4; C = Half under float32 T: float16 rows, rounded to nearest even) at each
+// token's slot, and then v is stored into v_cache there too.
 template <typename T, typename C = T>
 void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, C* k_out, C* v_cache, const int64_t* slots,
                  int64_t num_slots, int64_t tokens, int64_t stride, int64_t num_heads, int64_t num_kv_heads,
@@ -210,8 +211,10 @@ void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, C* k_out, C*
         if constexpr (kInt8Cache) {
           for (int64_t i = 0; i < head_dim; ++i) values[i] = to_f<T>(v[i]);
           quantize_kv_row(values.data(), head_dim, dst);
-        } else {
+        } else if constexpr (std::is_same_v<C, T>) {
           std::memcpy(dst, v, head_dim * sizeof(T));
+        } else {
+          for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<C>(to_f<T>(v[i]));
         }
       }
     }
@@ -252,12 +255,14 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
   check_qkv(qkv, (num_heads + 2 * num_kv_heads) * head_dim, head_dim);
   const int64_t tokens = qkv.size(0);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const bool half_cache = k_cache.scalar_type() == at::kHalf && qkv.scalar_type() == at::kFloat;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads &&
                   k_cache.size(2) == (int8_cache ? head_dim + 4 : head_dim) && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "rotary_q_store_kv: caches must be contiguous [num_kv_heads, slots, head_dim] (int8: head_dim + 4)");
-  TORCH_CHECK((int8_cache || k_cache.scalar_type() == qkv.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "rotary_q_store_kv: caches must have the dtype of qkv, or be int8");
+  TORCH_CHECK((int8_cache || half_cache || k_cache.scalar_type() == qkv.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "rotary_q_store_kv: caches must have the dtype of qkv, be int8, or be float16 under float32 qkv");
   const auto slots = slot_mapping.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "rotary_q_store_kv: one int64 slot per token");
   const int64_t num_slots = k_cache.size(1);
@@ -271,6 +276,11 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
       rotary_rows<scalar_t, int8_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
                                     q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
                                     slot, num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+    } else if (half_cache) {
+      if constexpr (std::is_same_v<scalar_t, float>)
+        rotary_rows<float, at::Half>(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), q.data_ptr<float>(),
+                                     k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), slot, num_slots, tokens,
+                                     qkv.stride(0), num_heads, num_kv_heads, head_dim);
     } else {
       rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
                             q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot,

@@ -77,6 +77,14 @@ inline float sum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// The lane sums of eight vectors, as one vector (lane i: the sum of v[i]'s lanes).
+inline __m256 sum8x8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // per 128-bit half
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a's low half holds partial sums of v0-v3 (lanes 0-3), its high half the rest of them
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
 #endif
 
 // scores[g * n + t] = query_g . key_t for the task's n keys (query already scaled).
@@ -101,22 +109,24 @@ inline void score_keys(const float* query, const T* k_cache, const int64_t* slot
   }
 #elif defined(GEMEL_ATTENTION_AVX2)
   if constexpr (kHasLoad8<T>) {
-    if (head_dim % 8 == 0) {  // keys read in place, two of them against each query head at a time
+    if (head_dim % 8 == 0) {
+      // Eight keys against each query head at a time, one accumulator per key: eight
+      // independent FMA chains keep both FMA pipes busy (a chain per key or two waits out the
+      // FMA's latency at every step), and one transposing reduction yields the eight scores.
       int64_t t = 0;
-      for (; t + 1 < n; t += 2) {
-        const T* k0 = k_cache + slots[t] * head_dim;
-        const T* k1 = k_cache + slots[t + 1] * head_dim;
-        if (t + 3 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t + 3] * head_dim), _MM_HINT_T0);
+      for (; t + 8 <= n; t += 8) {
+        const T* key[8];
+        for (int i = 0; i < 8; ++i) key[i] = k_cache + slots[t + i] * head_dim;
+        if (t + 8 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t + 8] * head_dim), _MM_HINT_T0);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query + g * head_dim;
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          __m256 a[8];
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
           for (int64_t d = 0; d < head_dim; d += 8) {
             const __m256 qv = _mm256_loadu_ps(qg + d);
-            a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, load8(k1 + d), a1);
+            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(key[i] + d), a[i]);
           }
-          scores[g * n + t] = sum8(a0);
-          scores[g * n + t + 1] = sum8(a1);
+          _mm256_storeu_ps(scores + g * n + t, sum8x8(a));
         }
       }
       for (; t < n; ++t) {
@@ -166,25 +176,34 @@ inline void weigh_values(const float* probs, const T* v_cache, const int64_t* sl
   }
 #elif defined(GEMEL_ATTENTION_AVX2)
   if constexpr (kHasLoad8<T>) {
-    if (head_dim % 8 == 0 && head_dim <= 256) {  // each query head's sums in registers, 8 lanes at a time
+    if (head_dim % 8 == 0 && head_dim <= 256) {
+      // Each query head's sums in registers, 32 lanes at a time, two values per step into
+      // separate sums (eight FMA chains instead of four: a step no longer waits on the last).
       for (int64_t g = 0; g < group; ++g) {
         float* a = acc + g * head_dim;
         const float* p = probs + g * n;
         for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
           const int64_t width = std::min<int64_t>(32, head_dim - d0);
-          __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-          for (int64_t t = 0; t < n; ++t) {
-            const T* value = v_cache + slots[t] * head_dim + d0;
-            const __m256 w = _mm256_set1_ps(p[t]);
-            s0 = _mm256_fmadd_ps(w, load8(value), s0);
-            if (width > 8) s1 = _mm256_fmadd_ps(w, load8(value + 8), s1);
-            if (width > 16) s2 = _mm256_fmadd_ps(w, load8(value + 16), s2);
-            if (width > 24) s3 = _mm256_fmadd_ps(w, load8(value + 24), s3);
+          __m256 s[8];
+          for (int i = 0; i < 8; ++i) s[i] = _mm256_setzero_ps();
+          int64_t t = 0;
+          for (; t + 2 <= n; t += 2) {
+            const T* v0 = v_cache + slots[t] * head_dim + d0;
+            const T* v1 = v_cache + slots[t + 1] * head_dim + d0;
+            const __m256 w0 = _mm256_set1_ps(p[t]), w1 = _mm256_set1_ps(p[t + 1]);
+            for (int i = 0; i < 4; ++i) {
+              if (8 * i >= width) break;
+              s[i] = _mm256_fmadd_ps(w0, load8(v0 + 8 * i), s[i]);
+              s[4 + i] = _mm256_fmadd_ps(w1, load8(v1 + 8 * i), s[4 + i]);
+            }
           }
-          _mm256_storeu_ps(a + d0, _mm256_add_ps(_mm256_loadu_ps(a + d0), s0));
-          if (width > 8) _mm256_storeu_ps(a + d0 + 8, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 8), s1));
-          if (width > 16) _mm256_storeu_ps(a + d0 + 16, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 16), s2));
-          if (width > 24) _mm256_storeu_ps(a + d0 + 24, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 24), s3));
+          for (; t < n; ++t) {
+            const T* v0 = v_cache + slots[t] * head_dim + d0;
+            const __m256 w0 = _mm256_set1_ps(p[t]);
+            for (int i = 0; i < 4 && 8 * i < width; ++i) s[i] = _mm256_fmadd_ps(w0, load8(v0 + 8 * i), s[i]);
+          }
+          for (int i = 0; i < 4 && 8 * i < width; ++i)
+            _mm256_storeu_ps(a + d0 + 8 * i, _mm256_add_ps(_mm256_loadu_ps(a + d0 + 8 * i), _mm256_add_ps(s[i], s[4 + i])));
         }
       }
       return;
@@ -1021,8 +1040,8 @@ void prefill_attention_tiled(const T* q, const C* k_cache, const C* v_cache, con
 }
 #endif
 
-// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q), or int8 [Hkv, slots,
-// D + 4] (layers/kv_cache.py); kv_slots: [S, max_ctx]
+// q: [B, Hq, D]; k_cache, v_cache: [Hkv, slots, D] (same dtype as q, or float16 under float32
+// q), or int8 [Hkv, slots, D + 4] (layers/kv_cache.py); kv_slots: [S, max_ctx]
 // int64 cache slots of each sequence's positions 0..len-1; token_seq: [B] int64 row of
 // kv_slots for each query (undefined: row b); context_lens: [B] int64 keys each query sees.
 // window > 0 restricts each query to its last `window` positions (sliding-window layers).
@@ -1031,8 +1050,12 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,Hq,D], caches [Hkv,S,D]");
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((int8_cache || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "the caches must have q's dtype, or be int8");
+  // float16 caches under float32 queries: half the bytes of a float32 cache (the AVX2 plan's
+  // KV cache, as llama.cpp's f16 default); rows are widened to float32 as they are read.
+  const bool half_cache = k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat;
+  TORCH_CHECK((int8_cache || half_cache || q.scalar_type() == k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must have q's dtype, be int8, or be float16 under float32 queries");
   TORCH_CHECK(k_cache.size(2) == (int8_cache ? q.size(2) + 4 : q.size(2)) && v_cache.sizes() == k_cache.sizes(),
               "cache rows must be head_dim wide (int8: head_dim + 4)");
   TORCH_CHECK(kv_slots.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
@@ -1052,6 +1075,24 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t batch = qc.size(0), num_heads = qc.size(1), head_dim = qc.size(2);
   const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (half_cache) {
+        const float* qp = qc.data_ptr<float>();
+        const at::Half *kp = k_cache.data_ptr<at::Half>(), *vp = v_cache.data_ptr<at::Half>();
+#if defined(__AVX512F__)
+        if (row_of != nullptr && tiled_prefill_covers(num_heads / k_cache.size(0), head_dim)) {
+          prefill_attention_tiled<float, at::Half>(qp, kp, vp, slots.data_ptr<int64_t>(), row_of, lens.data_ptr<int64_t>(),
+                                                   out.data_ptr<float>(), batch, num_heads, k_cache.size(0), head_dim,
+                                                   k_cache.size(1), slots.size(1), static_cast<float>(scale), window);
+          return;
+        }
+#endif
+        decode_attention<float, at::Half>(qp, kp, vp, slots.data_ptr<int64_t>(), row_of, lens.data_ptr<int64_t>(),
+                                          out.data_ptr<float>(), batch, num_heads, k_cache.size(0), head_dim,
+                                          k_cache.size(1), slots.size(1), static_cast<float>(scale), window);
+        return;
+      }
+    }
 #if defined(__AVX512F__)
     if constexpr (kHasLoad16<scalar_t>) {
       if (row_of != nullptr && tiled_prefill_covers(num_heads / k_cache.size(0), head_dim)) {

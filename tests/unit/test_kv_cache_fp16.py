@@ -1,0 +1,128 @@
+"""float16 KV caches under a float32 model: what the AVX2 plan stores by default (half the
+bytes of a float32 cache for decode attention to read), written by the fused rotary op and the
+PyTorch store alike and read by the kernels and the PyTorch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemel.layers import cpu_kernels, fused
+from gemel.layers.kernel_plan import plan_engine, resolve_isa
+from gemel.layers.rotary_embedding import RotaryEmbedding
+
+kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ kernels could not be built")
+
+
+@kernels
+def test_rotary_q_store_kv_rounds_as_the_pytorch_store_does():
+    heads, kv_heads, dim, tokens, num_slots = 4, 2, 32, 5, 64
+    torch.manual_seed(3)
+    rotary = RotaryEmbedding(dim, 512, 10000.0, torch.device("cpu"))
+    cos, sin = rotary.cos_sin(torch.tensor([0, 1, 2, 40, 41]), torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 3
+    slots = torch.tensor([7, 8, 9, 33, 60])
+    k_cache = torch.randn(kv_heads, num_slots, dim).half()
+    v_cache = torch.randn(kv_heads, num_slots, dim).half()
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_q, want_k = fused.rotary_qk(qkv, cos, sin, heads, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    want_k_cache.index_copy_(1, slots, want_k.half().transpose(0, 1))
+    want_v_cache.index_copy_(1, slots, v.half().transpose(0, 1))
+    q = fused.rotary_q_store_kv(qkv, cos, sin, (k_cache, v_cache), slots, heads, kv_heads, dim)
+    assert q.dtype == torch.float32 and torch.equal(q, want_q)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)  # others untouched too
+    with pytest.raises(RuntimeError, match="float16 under float32"):  # float16 caches need float32 rows
+        fused.rotary_q_store_kv(qkv.bfloat16(), cos.bfloat16(), sin.bfloat16(), (k_cache, v_cache), slots, heads,
+                                kv_heads, dim)
+
+
+@kernels
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_and_prefill_kernels_read_float16_rows_as_the_pytorch_path(window):
+    """The kernel over a float16 cache equals softmax attention on the cache's values widened
+    to float32 (decode: one query per sequence; prefill: several, causal)."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, num_slots = 6, 2, 64, 256
+    k_cache = torch.randn(kv_heads, num_slots, dim).half()
+    v_cache = torch.randn(kv_heads, num_slots, dim).half()
+    lens = torch.tensor([1, 17, 40])
+    kv_slots = torch.stack([torch.randperm(num_slots)[:40] for _ in lens])
+    scale = dim**-0.5
+
+    def reference(q, b, n):
+        keys = k_cache[:, kv_slots[b, :n]].float().repeat_interleave(heads // kv_heads, 0)  # [H, n, D]
+        values = v_cache[:, kv_slots[b, :n]].float().repeat_interleave(heads // kv_heads, 0)
+        start = max(0, n - window) if window else 0
+        scores = (keys[:, start:] @ q.unsqueeze(-1)).squeeze(-1) * scale
+        return (torch.softmax(scores, -1).unsqueeze(1) @ values[:, start:]).squeeze(1)
+
+    q = torch.randn(len(lens), heads, dim)
+    out = torch.ops.gemel.paged_decode_attention(q, k_cache, v_cache, kv_slots, lens, scale, window)
+    for b, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(out[b], reference(q[b], b, n), atol=1e-4, rtol=1e-4)
+    # prefill: sequence 2's last 6 positions as 6 query tokens, each seeing its own prefix
+    token_seq = torch.full((6,), 2)
+    ctx = torch.arange(35, 41)
+    qp = torch.randn(6, heads, dim)
+    out = torch.ops.gemel.paged_prefill_attention(qp, k_cache, v_cache, kv_slots, token_seq, ctx, scale, window)
+    for t, n in enumerate(ctx.tolist()):
+        torch.testing.assert_close(out[t], reference(qp[t], 2, n), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
+def test_engine_with_float16_cache_is_consistent(tiny_model_dir, path):
+    """Tiny Llama and Gemma 3 (sliding window), float32: with a float16 cache the C++ kernels
+    and fused ops give the PyTorch path's tokens and logprobs, the prefix cache changes
+    nothing, and the first token's logprob stays within float16's rounding of the float32
+    cache's."""
+    from gemel import LLM, SamplingParams
+
+    prompts = [[5, 17, 33, 90], [200, 11, 4, 4, 4, 60, 7] * 5, [150] * 12, [200, 11, 4, 4, 4, 60, 7] * 5 + [9]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    on = path == "kernels"
+    if on and not cpu_kernels.load():
+        pytest.skip("the C++ kernels could not be built")
+
+    def run(**kwargs):
+        llm = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=64, **kwargs)
+        return llm, llm.generate(prompt_token_ids=prompts, sampling_params=params)
+
+    llm, half = run(kv_cache_dtype="float16", cpu_attention_kernel=on, cpu_fused_ops=on)
+    assert all(c.dtype == torch.float16 for layer in llm.engine.core.runner.kv_caches for c in layer)
+    _, reference = run(kv_cache_dtype="float16", cpu_attention_kernel=False, cpu_fused_ops=False)
+    _, uncached = run(kv_cache_dtype="float16", cpu_attention_kernel=on, cpu_fused_ops=on, enable_prefix_caching=False)
+    _, floats = run(cpu_attention_kernel=on, cpu_fused_ops=on)
+    for a, b, c, f in zip(half, reference, uncached, floats):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            # the same cached values (test above); float32 sums in another order over 16 steps
+            assert abs(la.logprob - lb.logprob) < 3e-4
+        assert a.outputs[0].token_ids[0] == f.outputs[0].token_ids[0]
+        assert abs(a.outputs[0].logprobs[0].logprob - f.outputs[0].logprobs[0].logprob) < 0.01
+
+
+def test_float16_cache_needs_a_float32_model(tiny_llama_dir):
+    from gemel import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 needs dtype float32"):
+        LLM(tiny_llama_dir, dtype="bfloat16", num_kv_blocks=16, kv_cache_dtype="float16")
+
+
+def test_the_float32_integer_plan_stores_float16_and_others_their_dtype():
+    """kv_cache_dtype auto: float16 only where the plan computes in float32 on the integer
+    kernels (dtype auto on a CPU without native bf16, here forced with cpu_isa avx2)."""
+    cpu = torch.device("cpu")
+    common = dict(device=cpu, weight_quant="auto")
+    bf16, _ = plan_engine(dtype=torch.bfloat16, dtype_requested="auto", **common)
+    named, _ = plan_engine(dtype=torch.float32, dtype_requested="float32", **common)
+    assert bf16.kv_dtype is None and named.kv_dtype is None
+    try:
+        avx2 = resolve_isa("avx2") == "avx2" and cpu_kernels.load("avx2")
+    except ValueError:  # a CPU without AVX2
+        avx2 = False
+    if not avx2:
+        pytest.skip("no AVX2 kernels in this process")
+    plan, _ = plan_engine(dtype=torch.float32, dtype_requested="auto", cpu_isa="avx2", **common)
+    assert plan.int8_activations and plan.kv_dtype == torch.float16
+    assert "KV cache: float16" in plan.describe()
