@@ -83,6 +83,7 @@ def run_engine_core(
             # later: leave one core to the front end, as a busy one would take it anyway
             engine_config = engine_config.model_copy(update={"num_threads": max(1, _cores() - 1)})
         core = EngineCore(engine_config)
+        core.runner.prefault_kv()  # a server's memory is resident from the start
     except Exception as e:  # the front end reports it and /readyz stays red
         log.exception("engine failed to start")
         output_conn.send(Failed(f"{type(e).__name__}: {e}"))

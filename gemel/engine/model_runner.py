@@ -97,16 +97,16 @@ class ModelRunner:
         # Head-major ([kv_heads, slots, head_dim] per layer) so a gather of a batch's context
         # is already in the layout the attention matmuls want, with no transposing copy.
         shape = (arch.num_kv_heads, slots, kv_cache.row_width(arch.head_dim, self.kv_dtype))
-        # Zeroed, not left uninitialised: the pages are then resident from the start, so the
-        # engine's memory is what it will be under any load (about 0.3 s per GB at start-up)
-        # instead of creeping up for hours as the prefix cache spreads over the pool, which
-        # looks like a leak and hides a real one. Slot 0 pads gathers of short contexts and
-        # must hold finite values anyway. One tensor
+        # Uninitialised here (an offline LLM touches only what it uses); the server's engine
+        # process zeroes the whole pool at start-up (``prefault_kv``). Slot 0 pads gathers of
+        # short contexts, so it must hold finite values. One tensor
         # per layer rather than views of one: torch.compile then checks 60 inputs for
         # aliasing cheaply instead of computing storage overlaps on every call.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for _ in range(arch.num_layers):
-            k, v = (torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(2))
+            k, v = (torch.empty(shape, dtype=self.kv_dtype, device=device) for _ in range(2))
+            k[:, :block_size].zero_()
+            v[:, :block_size].zero_()
             self.kv_caches.append((k, v))
         self.sliding_window = arch.sliding_window if arch.layer_types and "sliding_attention" in arch.layer_types else None
         self.sampler = Sampler()
@@ -258,6 +258,14 @@ class ModelRunner:
         for layer in self.kv_caches:
             for cache in layer:
                 cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
+
+    def prefault_kv(self) -> None:
+        """Zero the whole KV pool, so a server's memory is resident from the start (about 0.3 s
+        per GB) instead of creeping up as the prefix cache spreads over the pool, which looks
+        like a leak and hides a real one."""
+        for layer in self.kv_caches:
+            for cache in layer:
+                cache.zero_()
 
     def block_shape(self) -> tuple[int, ...]:
         """Shape of ``read_block``'s copy: [layers, 2 (K, V), kv_heads, block_size, row]."""
