@@ -32,6 +32,19 @@ def add_rms_norm_llama(
     return torch.ops.gemel.add_rms_norm(x, delta, weight, eps)
 
 
+def norm_add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + rms_norm(delta) * delta_weight`` and ``rms_norm(s) * weight`` in one pass
+    (float32): Gemma 3's post-norm, residual add and the next pre-norm."""
+    return torch.ops.gemel.add_rms_norm(x, delta, weight, eps, delta_weight)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for a GeGLU's fused gate/up projection output [T, 2 * I] (float32)."""
+    return torch.ops.gemel.gelu_tanh_and_mul(gate_up)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the fused gate/up projection's output [T, 2 * I]."""
     return torch.ops.gemel.silu_and_mul(gate_up)
@@ -54,9 +67,14 @@ def rotary_q_store_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_eps: float = 0.0,
 ) -> torch.Tensor:
     """``rotary_qk`` that writes the rotated k, and v, straight into the KV cache at the
-    step's slots (caches of qkv's dtype) and returns q: no k/v tensors, no index_copy_."""
+    step's slots (caches of qkv's dtype) and returns q: no k/v tensors, no index_copy_.
+    ``qk_norm``: the (q, k) weights of a per-head RMSNorm applied before the rotation
+    (Gemma 3, float32)."""
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     return torch.ops.gemel.rotary_q_store_kv(
-        qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, num_heads, num_kv_heads, head_dim
+        qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, num_heads, num_kv_heads, head_dim, q_norm, k_norm, norm_eps
     )

@@ -12,6 +12,7 @@ from torch import nn
 
 from gemel.layers import fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
+from gemel.layers.kv_cache import kernels_take
 from gemel.layers.layernorm import rms_norm_gemma
 from gemel.layers.linear import Linear
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
@@ -66,6 +67,34 @@ class Gemma3Layer(nn.Module):
         h = self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return x + norm(h, self.post_ffn_norm, eps)
 
+    def forward_fused(self, x, mlp_out, prev_post_ffn_norm, rope, meta: AttentionMetadata, kv_cache):
+        """The same layer in float32 with the C++ fused ops: the post-norms, residual adds and
+        pre-norms one op each, QK-norm and rotary with the KV store one op, GeGLU one op.
+
+        ``mlp_out`` is the previous layer's MLP output (None for the first layer), not yet
+        normed by ``prev_post_ffn_norm`` nor added to the residual stream ``x``. Returns the
+        residual stream and this layer's MLP output, likewise pending."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        cos, sin = rope[self.sliding]
+        if mlp_out is None:
+            h = _fused_norm(x, self.input_norm, eps)
+        else:
+            x, h = fused.norm_add_rms_norm(x, mlp_out, prev_post_ffn_norm, self.input_norm, eps)
+        qkv = self.qkv_proj(h)
+        if kernels_take(qkv.dtype, kv_cache[0]):
+            q = fused.rotary_q_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
+                                        cfg.head_dim, qk_norm=(self.q_norm, self.k_norm), norm_eps=eps)
+            k = v = None  # already in the cache
+        else:
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = apply_rotary(_fused_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim), self.q_norm, eps), cos, sin)
+            k = apply_rotary(_fused_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm, eps), cos, sin)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
+        x, h = fused.norm_add_rms_norm(x, self.o_proj(attn), self.post_attn_norm, self.pre_ffn_norm, eps)
+        return x, self.down_proj(fused.gelu_tanh_and_mul(self.gate_up_proj(h)))
+
 
 class Gemma3ForCausalLM(nn.Module):
     supports_fused_ops = True  # its norms in float32 (layers/fused.py)
@@ -93,6 +122,12 @@ class Gemma3ForCausalLM(nn.Module):
             False: self.global_rope.cos_sin(positions, x.dtype),
             True: self.local_rope.cos_sin(positions, x.dtype),
         }
+        if x.dtype == torch.float32 and fused.use_fused(meta):
+            mlp_out, post_ffn_norm = None, None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, mlp_out = layer.forward_fused(x, mlp_out, post_ffn_norm, rope, meta, kv_cache)
+                post_ffn_norm = layer.post_ffn_norm
+            return fused.norm_add_rms_norm(x, mlp_out, post_ffn_norm, self.norm, self.cfg.rms_norm_eps)[1]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, meta, kv_cache)
         norm = _fused_norm if x.dtype == torch.float32 and fused.use_fused(meta) else rms_norm_gemma

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gemel.layers import cpu_kernels, fused
-from gemel.layers.layernorm import rms_norm_llama
+from gemel.layers.layernorm import rms_norm_gemma, rms_norm_llama
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 
@@ -107,6 +107,65 @@ def test_rotary_q_store_kv_writes_the_cache_as_index_copy_does(dtype):
         fused.rotary_q_store_kv(qkv, cos, sin, (k_cache, v_cache), slots + num_slots, heads, kv_heads, dim)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_norm_add_rms_norm_matches_gemmas_pytorch_ops(rows):
+    """Gemma 3's post-norm of a sublayer's output, the residual add and the next pre-norm, in
+    float32 (the only dtype it takes: elsewhere the norms round in other places)."""
+    torch.manual_seed(rows)
+    x, delta = torch.randn(rows, 72) * 4, torch.randn(rows, 72) * 2
+    post, pre = torch.randn(72) * 0.3 + 1, torch.randn(72) * 0.3 + 1
+    total, normed = fused.norm_add_rms_norm(x, delta, post, pre, 1e-6)
+    want_total = x + rms_norm_gemma(delta, post, 1e-6)
+    torch.testing.assert_close(total, want_total, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(normed, rms_norm_gemma(want_total, pre, 1e-6), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="delta_weight needs float32"):
+        fused.norm_add_rms_norm(x.bfloat16(), delta.bfloat16(), post.bfloat16(), pre.bfloat16(), 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_gelu_tanh_and_mul_matches_pytorch(rows):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 96) * 5
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(fused.gelu_tanh_and_mul(gate_up), want, rtol=1e-5, atol=1e-5)
+    extreme = torch.tensor([[-100.0, 0.0, 100.0, 1.0, 2.0, 3.0]])  # gates, then ups
+    assert fused.gelu_tanh_and_mul(extreme)[0].tolist() == pytest.approx([0.0, 0.0, 300.0], abs=1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.gelu_tanh_and_mul(gate_up.bfloat16())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_rotary_q_store_kv_with_qk_norm_matches_gemmas_pytorch_ops(cache_dtype):
+    """QK-norm, rotary and the KV store in one op: q and the stored k as Gemma's per-head
+    RMSNorm then apply_rotary give them, v stored as it comes."""
+    heads, kv_heads, dim, tokens, num_slots = 4, 1, 32, 5, 64
+    torch.manual_seed(4)
+    rotary = RotaryEmbedding(dim, 512, 10000.0, torch.device("cpu"))
+    cos, sin = rotary.cos_sin(torch.tensor([0, 1, 2, 40, 41]), torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 3
+    q_norm, k_norm = torch.randn(dim) * 0.3 + 1, torch.randn(dim) * 0.3 + 1
+    slots = torch.tensor([7, 8, 9, 33, 60])
+    k_cache = torch.zeros(kv_heads, num_slots, dim, dtype=cache_dtype)
+    v_cache = torch.zeros(kv_heads, num_slots, dim, dtype=cache_dtype)
+    q = fused.rotary_q_store_kv(qkv, cos, sin, (k_cache, v_cache), slots, heads, kv_heads, dim,
+                                qk_norm=(q_norm, k_norm), norm_eps=1e-6)
+    q_in, k_in, v_in = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    want_q = apply_rotary(rms_norm_gemma(q_in.reshape(tokens, heads, dim), q_norm, 1e-6), cos, sin)
+    want_k = apply_rotary(rms_norm_gemma(k_in.reshape(tokens, kv_heads, dim), k_norm, 1e-6), cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-3  # float16 rows: rounded once
+    torch.testing.assert_close(k_cache[:, slots].float(), want_k.transpose(0, 1), rtol=tol, atol=tol)
+    assert torch.equal(v_cache[:, slots], v_in.view(tokens, kv_heads, dim).transpose(0, 1).to(cache_dtype))
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((k_cache[:, untouched] == 0).all()) and bool((v_cache[:, untouched] == 0).all())
+    with pytest.raises(RuntimeError, match="need float32 qkv"):
+        fused.rotary_q_store_kv(qkv.bfloat16(), cos.bfloat16(), sin.bfloat16(),
+                                (k_cache.bfloat16(), v_cache.bfloat16()), slots, heads, kv_heads, dim,
+                                qk_norm=(q_norm, k_norm), norm_eps=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_fused_ops_matches_pytorch_ops(tiny_llama_dir, dtype):
     """Whole engine on the tiny Llama: the same greedy tokens with the fused ops as with the
@@ -130,8 +189,9 @@ def test_engine_with_fused_ops_matches_pytorch_ops(tiny_llama_dir, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemma_takes_the_fused_norms_in_float32_only(tiny_gemma3_dir, dtype, monkeypatch):
     """Gemma's norms (scale by 1 + w in float32, then round) are Llama's arithmetic in float32,
-    so float32 eager steps take the fused C++ norm: same tokens and log-probabilities as the
-    PyTorch ops; in bf16, where the rounding orders differ, the C++ norm is never called."""
+    so float32 eager steps take the fused C++ layer (norms, QK-norm with rotary and the KV
+    store, GeGLU): same tokens and log-probabilities as the PyTorch ops; in bf16, where the
+    rounding orders differ, the C++ norm is never called."""
     from gemel import LLM, SamplingParams
 
     calls = []

@@ -16,6 +16,7 @@
 #include "silu.h"
 
 #include <cmath>
+#include <optional>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
@@ -68,19 +69,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // The residual add and the next RMSNorm in one pass (vLLM's fused_add_rms_norm): sum = x +
 // delta, rounded to T as PyTorch's add is, then rms_norm_llama(sum). Saves a small op and a
-// pass over the residual stream twice a layer.
+// pass over the residual stream twice a layer. With delta_weight (float32 only: Gemma 3,
+// whose attention and MLP outputs are normed before they join the residual stream), delta
+// is first RMS-normed and scaled by it: sum = x + norm(delta) * delta_weight.
 template <typename T>
-void add_rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum, T* out, int64_t rows, int64_t dim,
-                       float eps) {
+void add_rms_norm_rows(const T* x, const T* delta, const T* weight, const T* delta_weight, T* sum, T* out,
+                       int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T *xr = x + r * dim, *dr = delta + r * dim;
       T* s = sum + r * dim;
       T* o = out + r * dim;
+      float delta_inv = 1.f;
+      if (delta_weight != nullptr) {
+        float delta_squares = 0.f;
+#pragma omp simd reduction(+ : delta_squares)
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = to_f<T>(dr[i]);
+          delta_squares += v * v;
+        }
+        delta_inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(delta_squares / static_cast<float>(dim) + eps)));
+      }
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < dim; ++i) {
-        const float v = round_as<T>(to_f<T>(xr[i]) + to_f<T>(dr[i]));
+        const float d = delta_weight != nullptr ? to_f<T>(dr[i]) * delta_inv * to_f<T>(delta_weight[i]) : to_f<T>(dr[i]);
+        const float v = round_as<T>(to_f<T>(xr[i]) + d);
         s[i] = from_f<T>(v);
         squares += v * v;
       }
@@ -92,17 +106,24 @@ void add_rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum, T* o
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
-                                                double eps) {
+                                                double eps, const std::optional<at::Tensor>& delta_weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous(),
               "add_rms_norm: x and delta must be contiguous [rows, dim] of one shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "add_rms_norm: weight must be [dim]");
   TORCH_CHECK(delta.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
               "add_rms_norm: x, delta and weight must share a dtype");
+  const bool norm_delta = delta_weight.has_value() && delta_weight->defined();
+  if (norm_delta) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && delta_weight->scalar_type() == at::kFloat,
+                "add_rms_norm: delta_weight needs float32 x (the rounding orders of the norms differ in other dtypes)");
+    TORCH_CHECK(delta_weight->dim() == 1 && delta_weight->size(0) == x.size(1) && delta_weight->is_contiguous(),
+                "add_rms_norm: delta_weight must be [dim]");
+  }
   auto sum = at::empty_like(x), out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                sum.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
-                                static_cast<float>(eps));
+                                norm_delta ? delta_weight->data_ptr<scalar_t>() : nullptr, sum.data_ptr<scalar_t>(),
+                                out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
   return {sum, out};
 }
@@ -144,6 +165,35 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// out = gelu_tanh(gate) * up for x = [gate | up] in float32 (Gemma's GeGLU), in the order of
+// PyTorch's F.gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+void gelu_tanh_and_mul_rows(const float* in, float* out, int64_t rows, int64_t dim, int64_t stride) {
+  constexpr float kBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+  constexpr float kKappa = 0.044715f;
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* gate = in + r * stride;
+      const float* up = gate + dim;
+      float* o = out + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) {
+        const float g = gate[i];
+        const float inner = kBeta * (g + kKappa * g * g * g);
+        o[i] = 0.5f * g * (1.f + std::tanh(inner)) * up[i];
+      }
+    }
+  });
+}
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "gelu_tanh_and_mul: x must be [rows, 2 * dim]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gelu_tanh_and_mul: x must be float32");
+  const int64_t rows = x.size(0), dim = x.size(1) / 2;
+  auto out = at::empty({rows, dim}, x.options());
+  gelu_tanh_and_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, dim, x.stride(0));
+  return out;
+}
+
 // One head's half-rotation rotary embedding: o = x * cos + cat(-x2, x1) * sin, each product
 // and the sum rounded to T as in the PyTorch version. O is T, or float holding T's values.
 template <typename T, typename O>
@@ -178,21 +228,38 @@ inline void quantize_kv_row(const float* x, int64_t n, int8_t* row) {
 // straight into the KV cache (C = T: [num_kv_heads, num_slots, head_dim]; C = int8_t: rows of
 // head_dim + 4; C = Half under float32 T: float16 rows, rounded to nearest even) at each
 // token's slot, and then v is stored into v_cache there too.
+//
+// q_norm / k_norm (float32 only; Gemma 3's QK-norm): each q and k head is first RMS-normed
+// over head_dim and scaled by them, as rms_norm_gemma does in float32.
 template <typename T, typename C = T>
 void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, C* k_out, C* v_cache, const int64_t* slots,
                  int64_t num_slots, int64_t tokens, int64_t stride, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim) {
+                 int64_t head_dim, const T* q_norm = nullptr, const T* k_norm = nullptr, float norm_eps = 0.f) {
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   const int64_t half = head_dim / 2, heads = num_heads + num_kv_heads;
   const int64_t row = kInt8Cache ? head_dim + 4 : head_dim;
   at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t t0, int64_t t1) {
     std::vector<float> values(kInt8Cache ? head_dim : 0);
+    std::vector<T> normed(q_norm != nullptr || k_norm != nullptr ? head_dim : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const T* c = cos + t * head_dim;
       const T* s = sin + t * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
         const T* x = in + t * stride + h * head_dim;
         const int64_t kv_head = h - num_heads;
+        if constexpr (std::is_same_v<T, float>) {
+          const float* norm = h < num_heads ? q_norm : k_norm;
+          if (norm != nullptr) {
+            float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+            for (int64_t i = 0; i < head_dim; ++i) squares += x[i] * x[i];
+            const float inv =
+                static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / static_cast<float>(head_dim) + norm_eps)));
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) normed[i] = x[i] * inv * norm[i];
+            x = normed.data();
+          }
+        }
         if (h < num_heads) {
           rotate_head(x, c, s, half, q_out + (t * num_heads + h) * head_dim);
         } else if (slots == nullptr) {
@@ -249,9 +316,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
 
 // rotary_qk, with k and v written into the KV cache at slot_mapping instead of returned
 // (what paged_attention's two index_copy_ calls would do): returns q.
+// q_norm, k_norm: [head_dim] float32 weights of a per-head RMSNorm applied to q and k before
+// the rotation (Gemma 3's QK-norm), float32 qkv only.
 at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                              at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim) {
+                             int64_t num_kv_heads, int64_t head_dim, const std::optional<at::Tensor>& q_norm,
+                             const std::optional<at::Tensor>& k_norm, double norm_eps) {
   check_qkv(qkv, (num_heads + 2 * num_kv_heads) * head_dim, head_dim);
   const int64_t tokens = qkv.size(0);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
@@ -269,22 +339,37 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "rotary_q_store_kv: slot out of range");
+  const bool qk_norm = q_norm.has_value() && q_norm->defined();
+  TORCH_CHECK(qk_norm == (k_norm.has_value() && k_norm->defined()), "rotary_q_store_kv: q_norm and k_norm go together");
+  if (qk_norm) {
+    TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rotary_q_store_kv: q_norm and k_norm need float32 qkv");
+    for (const auto* w : {&*q_norm, &*k_norm})
+      TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 1 && w->size(0) == head_dim && w->is_contiguous(),
+                  "rotary_q_store_kv: q_norm and k_norm must be float32 [head_dim]");
+  }
+  const float* qn = qk_norm ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = qk_norm ? k_norm->data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(norm_eps);
   const auto c = rotary_tables(cos, qkv, head_dim), s = rotary_tables(sin, qkv, head_dim);
   auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_q_store_kv", [&] {
+    // the norms' weights as scalar_t pointers: non-null only where scalar_t is float (checked above)
+    const scalar_t* qn_t = reinterpret_cast<const scalar_t*>(qn);
+    const scalar_t* kn_t = reinterpret_cast<const scalar_t*>(kn);
     if (int8_cache) {
       rotary_rows<scalar_t, int8_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
                                     q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                                    slot, num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+                                    slot, num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim, qn_t,
+                                    kn_t, eps);
     } else if (half_cache) {
       if constexpr (std::is_same_v<scalar_t, float>)
         rotary_rows<float, at::Half>(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), q.data_ptr<float>(),
                                      k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), slot, num_slots, tokens,
-                                     qkv.stride(0), num_heads, num_kv_heads, head_dim);
+                                     qkv.stride(0), num_heads, num_kv_heads, head_dim, qn, kn, eps);
     } else {
       rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
                             q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot,
-                            num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim);
+                            num_slots, tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim, qn_t, kn_t, eps);
     }
   });
   return q;
@@ -294,17 +379,20 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, Tensor? delta_weight=None) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
   m.def("rotary_q_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> Tensor");
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float norm_eps=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary_qk", &rotary_qk);
   m.impl("rotary_q_store_kv", &rotary_q_store_kv);
 }
