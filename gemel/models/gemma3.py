@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemel.layers import fused
+from gemel.layers import decode_layers, fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.kv_cache import kernels_take
 from gemel.layers.layernorm import rms_norm_gemma
@@ -123,6 +123,9 @@ class Gemma3ForCausalLM(nn.Module):
             True: self.local_rope.cos_sin(positions, x.dtype),
         }
         if x.dtype == torch.float32 and fused.use_fused(meta):
+            whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=True)
+            if whole_step is not None:  # rope tables: 0 global, 1 local
+                return whole_step(x, [rope[False], rope[True]], [int(layer.sliding) for layer in self.layers], meta)
             mlp_out, post_ffn_norm = None, None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, mlp_out = layer.forward_fused(x, mlp_out, post_ffn_norm, rope, meta, kv_cache)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemel.layers import fused
+from gemel.layers import decode_layers, fused
 from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_llama
 from gemel.layers.kv_cache import kernels_take
@@ -97,6 +97,9 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if fused.use_fused(meta):
+            whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=False)
+            if whole_step is not None:
+                return whole_step(x, [(cos, sin)], [0] * len(self.layers), meta)
             mlp_out = None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, mlp_out = layer.forward_fused(x, mlp_out, cos, sin, meta, kv_cache)

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "ops.h"
 #include "silu.h"
 
 #include <cmath>
@@ -376,6 +377,27 @@ at::Tensor rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const
 }
 
 }  // namespace
+
+at::Tensor gemel::ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> gemel::ops::add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                            const at::Tensor& weight, double eps,
+                                                            const std::optional<at::Tensor>& delta_weight) {
+  return ::add_rms_norm(x, delta, weight, eps, delta_weight);
+}
+
+at::Tensor gemel::ops::gelu_tanh_and_mul(const at::Tensor& x) { return ::gelu_tanh_and_mul(x); }
+
+at::Tensor gemel::ops::rotary_q_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                         const std::optional<at::Tensor>& q_norm,
+                                         const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  return ::rotary_q_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm,
+                             k_norm, norm_eps);
+}
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include "ops.h"
 
 #include "bf16.h"
 #include "silu.h"
@@ -563,6 +564,11 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
 }
 
 }  // namespace
+
+at::Tensor gemel::ops::int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                                     const at::Tensor& low, int64_t out_features, bool gated, int64_t zero_point) {
+  return ::int8_act_gemm(x, codes, d, low, out_features, gated, zero_point);
+}
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("int8_act_gemm(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features, bool gated=False, "

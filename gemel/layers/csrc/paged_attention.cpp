@@ -13,6 +13,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -1142,6 +1143,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 }
 
 }  // namespace
+
+at::Tensor gemel::ops::paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                              const at::Tensor& kv_slots, const at::Tensor& context_lens, double scale,
+                                              int64_t window) {
+  return ::paged_decode_attention(q, k_cache, v_cache, kv_slots, context_lens, scale, window);
+}
 
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_slots, "

@@ -1,0 +1,77 @@
+"""A decode step's layers in one C++ call (``layers/decode_layers.py``) against the Python
+fused path it replaces, on both packaged models with the AVX2 class's plan (every projection
+on int8_act_gemm over the file's own blocks, float16 KV cache; Gemma 3 with its sliding
+windows): the same kernels in the same order, so the same tokens and log-probabilities bit
+for bit. Agreement with transformers is test_real_models' kernel-path test, which takes it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemel import LLM, SamplingParams
+from gemel.layers import cpu_kernels, decode_layers, kernel_plan
+
+PROMPTS = [[1000 + i] + list(range(200 + 7 * i, 240 + 7 * i)) for i in range(3)] + [[1000] + list(range(200, 240)) + [5]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    if kernel_plan.isa_rank(kernel_plan.resolve_isa()) < kernel_plan.isa_rank("avx2") or not cpu_kernels.load():
+        pytest.skip("needs an AVX2 CPU and the C++ kernels")
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_whole_step_equals_the_python_path(model, monkeypatch):
+    if model == "gemma3-270m" and not cpu_kernels.serves_sub16_scales():
+        # The AVX-512 VNNI build leaves Gemma's Q6_K projections (a scale per 16 codes) to
+        # another kernel, so the whole step is not taken here: run this test against the
+        # AVX2 build, in a process of its own (a process holds one build).
+        assert os.environ.get("GEMEL_CPU_ISA") != "avx2"
+        root = Path(__file__).resolve().parents[2]
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             f"{Path(__file__).relative_to(root)}::test_whole_step_equals_the_python_path[gemma3-270m]"],
+            cwd=root, env=dict(os.environ, GEMEL_CPU_ISA="avx2"), capture_output=True, text=True, timeout=900,
+        )
+        assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+        return
+    llm = LLM(model, cpu_isa="avx2", kv_cache_memory_mb=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    taken = []
+    real = decode_layers.for_step
+
+    def counting(*args, **kwargs):
+        program = real(*args, **kwargs)
+        taken.append(program is not None)
+        return program
+
+    monkeypatch.setattr(decode_layers, "for_step", counting)
+    whole = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert any(taken), "no decode step took the C++ layers"
+    assert not all(taken), "steps with a prompt chunk take the Python path"
+    monkeypatch.setattr(decode_layers, "for_step", lambda *a, **k: None)
+    python = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    for a, b in zip(whole, python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+def test_other_plans_and_steps_take_the_python_path():
+    """Dense float32 projections never build it; with the AVX2 plan, a batch sharing a cached
+    prefix (cascade attention) takes the Python path for its steps, with the same tokens."""
+    dense = LLM("smollm2-135m-instruct", dtype="float32", weight_quant="none", kv_cache_memory_mb=128)
+    dense.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=3))
+    assert getattr(dense.engine.core.runner.model, "_decode_layers", None) in (None, False)
+    llm = LLM("smollm2-135m-instruct", cpu_isa="avx2", kv_cache_memory_mb=128)
+    shared = [list(range(300, 300 + 64)) + [7 + i] for i in range(4)]  # 4 full blocks in common
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompt_token_ids=shared[:1], sampling_params=params)  # caches the prefix
+    first = llm.generate(prompt_token_ids=shared, sampling_params=params)
+    assert isinstance(llm.engine.core.runner.model._decode_layers, decode_layers.DecodeLayers)
+    again = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in shared]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
