@@ -207,7 +207,10 @@ class EngineCore:
         # The prompt a chunk would continue (running ones come first); a new prompt starts at 0.
         context = max((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1), default=0)
         waiting = len(self.scheduler.waiting) + sum(1 for s in running if s.num_uncomputed_tokens > 1)
-        budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context, waiting)
+        # the prompts in line, in the order the scheduler takes them (a few suffice for the floor)
+        in_line = [s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1][:8]
+        in_line += [s.num_uncomputed_tokens for s in self.scheduler.waiting[: 8 - len(in_line)]]
+        budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context, waiting, in_line)
         self.scheduler.set_token_budget(budget)
 
     def step(self) -> list[EngineCoreOutput]:

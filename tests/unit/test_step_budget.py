@@ -167,3 +167,23 @@ def test_measured_decode_steps_of_the_batch_outrank_the_fits_prediction():
     assert fit.fixed + fit.per_token * 16 > 0.050  # the plane alone would say "over"
     assert m.budget(0.050, num_decoding=16, max_tokens=2048, prefill_context=800) == 16 + m.min_prefill_chunk
     assert m.budget(0.050, num_decoding=40, max_tokens=2048, prefill_context=800) == 40 + m.over_target_chunk
+
+
+def test_short_prompts_in_line_are_taken_whole():
+    """32 streams whose decodes alone fill the 50 ms target: without the whole-prompt floor a
+    128-token newcomer would get 16 tokens a step (8 steps to its first token); with it, the
+    next prompts go in whole, as many as whole_prompt_tokens hold together. A long prompt is
+    still chunked, and its last short piece taken whole."""
+    fixed, per_token = 0.010, 0.00125  # 32 decodes: 50 ms
+    m = fed(fixed, per_token, [8, 16, 32, 64])
+    assert m.budget(0.050, num_decoding=32, max_tokens=512) == 32 + m.min_prefill_chunk
+    assert m.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[128]) == 32 + 128
+    assert m.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[128, 128, 128]) == 32 + 256
+    assert m.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[100, 200]) == 32 + 100
+    assert m.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[4000, 128]) == 32 + m.min_prefill_chunk
+    assert m.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[90]) == 32 + 90
+    assert m.budget(0.050, num_decoding=32, max_tokens=100, prompts_in_line=[128]) == 100  # never past the budget
+    # decodes alone over the target: the larger of the over-target chunk and the whole prompts
+    slow = fed(0.030, per_token, [8, 16, 32, 64])
+    assert slow.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[40]) == 32 + slow.over_target_chunk
+    assert slow.budget(0.050, num_decoding=32, max_tokens=512, prompts_in_line=[128, 128]) == 32 + 256
