@@ -200,6 +200,9 @@ class KernelPlan:
         lines += [f"  rows {rows:>7}: {kernel}" for rows, kernel in self.rows_table()]
         if self.kv_dtype is not None and self.kv_dtype != self.dtype:
             lines.append(f"  KV cache: {str(self.kv_dtype).removeprefix('torch.')} (kv_cache_dtype auto)")
+        if self.kernels and self.int8_activations and self.int8_act_max_rows is None and not self.amx_max_rows \
+                and not self.packed_max_rows:
+            lines.append("  decode steps: all layers in one C++ call (Llama and Gemma 3 layers without bias)")
         return "\n".join(lines)
 
 

@@ -96,7 +96,9 @@ def test_the_avx2_plan_runs_every_call_on_the_integer_kernel():
     assert plan.int8_activations and plan.int8_act_max_rows is None
     assert not plan.int4_integer_kernel and plan.amx_max_rows == 0 and not plan.prepack_bf16
     assert [(rows, kernel.split()[0]) for rows, kernel in plan.rows_table()] == [("1+", "int8_act_gemm")]
+    assert "decode steps: all layers in one C++ call" in plan.describe()
     exact, _ = _plan(torch.float32, dtype_requested="float32", cpu_isa="avx2")
+    assert "one C++ call" not in exact.describe()
     assert exact.weight_quant == "none" and not exact.int8_activations
     assert [r for r, _ in exact.rows_table()] == ["1+"]
     portable, _ = _plan(torch.float32, cpu_isa="portable")  # no fast integer path: the dense weights
