@@ -202,15 +202,16 @@ class EngineCore:
         if target is None:
             self.scheduler.set_token_budget(max_tokens)
             return
-        running = self.scheduler.running
-        decoding = sum(1 for s in running if s.num_uncomputed_tokens <= 1)
+        running, queued = self.scheduler.running, self.scheduler.waiting
+        prefilling = [s for s in running if s.num_uncomputed_tokens > 1]
+        decoding = len(running) - len(prefilling)
         # The prompt a chunk would continue (running ones come first); a new prompt starts at 0.
-        context = max((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1), default=0)
-        waiting = len(self.scheduler.waiting) + sum(1 for s in running if s.num_uncomputed_tokens > 1)
+        context = max((s.num_computed_tokens for s in prefilling), default=0)
         # the prompts in line, in the order the scheduler takes them (a few suffice for the floor)
-        in_line = [s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1][:8]
-        in_line += [s.num_uncomputed_tokens for s in self.scheduler.waiting[: 8 - len(in_line)]]
-        budget = self.step_time_model.budget(target / 1000.0, decoding, max_tokens, context, waiting, in_line)
+        in_line = [s.num_uncomputed_tokens for s in prefilling[:8] + queued[: max(0, 8 - len(prefilling))]]
+        budget = self.step_time_model.budget(
+            target / 1000.0, decoding, max_tokens, context, len(queued) + len(prefilling), in_line
+        )
         self.scheduler.set_token_budget(budget)
 
     def step(self) -> list[EngineCoreOutput]:

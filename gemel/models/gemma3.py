@@ -69,7 +69,8 @@ class Gemma3Layer(nn.Module):
 
     def forward_fused(self, x, mlp_out, prev_post_ffn_norm, rope, meta: AttentionMetadata, kv_cache):
         """The same layer in float32 with the C++ fused ops: the post-norms, residual adds and
-        pre-norms one op each, QK-norm and rotary with the KV store one op, GeGLU one op.
+        pre-norms one op each, QK-norm and rotary with the KV store one op, GeGLU one op (caches
+        the kernels take: every float32 one).
 
         ``mlp_out`` is the previous layer's MLP output (None for the first layer), not yet
         normed by ``prev_post_ffn_norm`` nor added to the residual stream ``x``. Returns the
@@ -81,17 +82,9 @@ class Gemma3Layer(nn.Module):
             h = _fused_norm(x, self.input_norm, eps)
         else:
             x, h = fused.norm_add_rms_norm(x, mlp_out, prev_post_ffn_norm, self.input_norm, eps)
-        qkv = self.qkv_proj(h)
-        if kernels_take(qkv.dtype, kv_cache[0]):
-            q = fused.rotary_q_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
-                                        cfg.head_dim, qk_norm=(self.q_norm, self.k_norm), norm_eps=eps)
-            k = v = None  # already in the cache
-        else:
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = apply_rotary(_fused_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim), self.q_norm, eps), cos, sin)
-            k = apply_rotary(_fused_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm, eps), cos, sin)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
+        q = fused.rotary_q_store_kv(self.qkv_proj(h), cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads,
+                                    cfg.num_kv_heads, cfg.head_dim, qk_norm=(self.q_norm, self.k_norm), norm_eps=eps)
+        attn = paged_attention(q, None, None, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
         x, h = fused.norm_add_rms_norm(x, self.o_proj(attn), self.post_attn_norm, self.pre_ffn_norm, eps)
         return x, self.down_proj(fused.gelu_tanh_and_mul(self.gate_up_proj(h)))
 
@@ -122,7 +115,7 @@ class Gemma3ForCausalLM(nn.Module):
             False: self.global_rope.cos_sin(positions, x.dtype),
             True: self.local_rope.cos_sin(positions, x.dtype),
         }
-        if x.dtype == torch.float32 and fused.use_fused(meta):
+        if x.dtype == torch.float32 and fused.use_fused(meta) and kernels_take(x.dtype, kv_caches[0][0]):
             whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=True)
             if whole_step is not None:  # rope tables: 0 global, 1 local
                 return whole_step(x, [rope[False], rope[True]], [int(layer.sliding) for layer in self.layers], meta)

@@ -34,6 +34,24 @@ constexpr int64_t kGrainElements = 32768;
 
 inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
 
+// 1 / sqrt(mean of the squares + eps), in double: -ffast-math would otherwise turn 1/sqrtf
+// into an approximate rsqrt.
+inline float inverse_rms_of(float squares, int64_t n, float eps) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / static_cast<float>(n) + eps)));
+}
+
+// The same for the n values at x (read as float32).
+template <typename T>
+inline float inverse_rms(const T* x, int64_t n, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f<T>(x[i]);
+    squares += v * v;
+  }
+  return inverse_rms_of(squares, n, eps);
+}
+
 // Llama order: normalise in float32, round to T, then multiply by the T weight (rounding
 // again), as layers/layernorm.py's rms_norm_llama does.
 template <typename T>
@@ -42,14 +60,7 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t di
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * x_stride;
       T* o = out + r * dim;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = to_f<T>(xr[i]);
-        sum += v * v;
-      }
-      // In double: -ffast-math would otherwise turn 1/sqrtf into an approximate rsqrt.
-      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sum / static_cast<float>(dim) + eps)));
+      const float inv = inverse_rms(xr, dim, eps);
 #pragma omp simd
       for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<T>(weight[i]) * round_as<T>(to_f<T>(xr[i]) * inv));
     }
@@ -81,16 +92,7 @@ void add_rms_norm_rows(const T* x, const T* delta, const T* weight, const T* del
       const T *xr = x + r * dim, *dr = delta + r * dim;
       T* s = sum + r * dim;
       T* o = out + r * dim;
-      float delta_inv = 1.f;
-      if (delta_weight != nullptr) {
-        float delta_squares = 0.f;
-#pragma omp simd reduction(+ : delta_squares)
-        for (int64_t i = 0; i < dim; ++i) {
-          const float v = to_f<T>(dr[i]);
-          delta_squares += v * v;
-        }
-        delta_inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(delta_squares / static_cast<float>(dim) + eps)));
-      }
+      const float delta_inv = delta_weight != nullptr ? inverse_rms(dr, dim, eps) : 1.f;
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < dim; ++i) {
@@ -99,7 +101,7 @@ void add_rms_norm_rows(const T* x, const T* delta, const T* weight, const T* del
         s[i] = from_f<T>(v);
         squares += v * v;
       }
-      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / static_cast<float>(dim) + eps)));
+      const float inv = inverse_rms_of(squares, dim, eps);
 #pragma omp simd
       for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f<T>(weight[i]) * round_as<T>(to_f<T>(s[i]) * inv));
     }
@@ -251,11 +253,7 @@ void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, C* k_out, C*
         if constexpr (std::is_same_v<T, float>) {
           const float* norm = h < num_heads ? q_norm : k_norm;
           if (norm != nullptr) {
-            float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-            for (int64_t i = 0; i < head_dim; ++i) squares += x[i] * x[i];
-            const float inv =
-                static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / static_cast<float>(head_dim) + norm_eps)));
+            const float inv = inverse_rms(x, head_dim, norm_eps);
 #pragma omp simd
             for (int64_t i = 0; i < head_dim; ++i) normed[i] = x[i] * inv * norm[i];
             x = normed.data();
