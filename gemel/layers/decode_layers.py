@@ -21,47 +21,48 @@ from gemel.layers.kv_cache import kernels_take
 
 
 class DecodeLayers:
-    """The per-layer arguments of ``torch.ops.gemel.decode_layers`` for one model and KV cache,
-    gathered once. ``gemma``: Gemma 3's layer (post-norms, QK-norm, GeGLU, sliding windows)
-    instead of Llama's."""
+    """One model's layers and KV cache handed to the C++ ``torch.classes.gemel.DecodeLayers``
+    once; each step then passes only its own inputs. ``gemma``: Gemma 3's layer (post-norms,
+    QK-norm, GeGLU, sliding windows) instead of Llama's."""
 
     def __init__(self, model: torch.nn.Module, kv_caches, gemma: bool):
         cfg = model.cfg
-        self.gemma = gemma
         self.k_caches = [k for k, _ in kv_caches]
-        self.v_caches = [v for _, v in kv_caches]
-        self.norms: list[torch.Tensor] = []
-        self.codes: list[torch.Tensor] = []
-        self.scales: list[torch.Tensor] = []
-        self.lows: list[torch.Tensor] = []
-        self.out_features: list[int] = []
-        self.zero_points: list[int] = []
+        norms: list[torch.Tensor] = []
+        codes: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        lows: list[torch.Tensor] = []
+        out_features: list[int] = []
+        zero_points: list[int] = []
         self.sliding: list[bool] = []
         for layer in model.layers:
             if gemma:
-                self.norms += [layer.input_norm, layer.post_attn_norm, layer.pre_ffn_norm, layer.post_ffn_norm,
-                               layer.q_norm, layer.k_norm]
+                norms += [layer.input_norm, layer.post_attn_norm, layer.pre_ffn_norm, layer.post_ffn_norm,
+                          layer.q_norm, layer.k_norm]
                 self.sliding.append(layer.sliding)
             else:
-                self.norms += [layer.input_norm, layer.post_attn_norm]
+                norms += [layer.input_norm, layer.post_attn_norm]
                 self.sliding.append(False)
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                codes, scale, low = proj._int8_act_args
-                self.codes.append(codes)
-                self.scales.append(scale)
-                self.lows.append(low)
-                self.out_features.append(proj.int8_act_out_features)
-                self.zero_points.append(proj.int8_act_zero_point)
-        self.final_norm = model.norm
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps, self.attn_scale = cfg.rms_norm_eps, cfg.attn_scale
+                c, scale, low = proj._int8_act_args
+                codes.append(c)
+                scales.append(scale)
+                lows.append(low)
+                out_features.append(proj.int8_act_out_features)
+                zero_points.append(proj.int8_act_zero_point)
+        rope_index = [int(sliding) for sliding in self.sliding]  # rotary table 0: global, 1: local
+        self.program = torch.classes.gemel.DecodeLayers(
+            norms, model.norm, codes, scales, lows, out_features, zero_points, self.k_caches,
+            [v for _, v in kv_caches], rope_index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            cfg.attn_scale, gemma,
+        )
 
     @staticmethod
     def supports(model: torch.nn.Module, kv_caches, dtype: torch.dtype, gemma: bool) -> bool:
         """Whether every layer of ``model`` is what the C++ op computes: projections all on
         int8_act_gemm without bias, caches the kernels take (Gemma 3: in float32 only, where
         its norms are the fused ops' arithmetic)."""
-        if not hasattr(torch.ops.gemel, "decode_layers") or (gemma and dtype != torch.float32):
+        if not _has_class() or (gemma and dtype != torch.float32):
             return False
         if not all(kernels_take(dtype, k) for k, _ in kv_caches):
             return False
@@ -81,18 +82,22 @@ class DecodeLayers:
         group = meta.groups[0]
         return group.is_decode and group.shared_slots is None and group.token_slice == (0, meta.num_tokens)
 
-    def __call__(self, x: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], rope_index: list[int],
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """The final norm of the residual stream after every layer, as the model's forward returns it.
-        ``rope``: the step's (cos, sin) tables; layer i uses ``rope[rope_index[i]]``."""
+        ``rope``: the step's (cos, sin) tables, global then (Gemma 3) local; a sliding layer uses the local one."""
         group = meta.groups[0]
         windows = [group.sliding_window if sliding else 0 for sliding in self.sliding]
-        return torch.ops.gemel.decode_layers(
-            x.contiguous(), [c for c, _ in rope], [s for _, s in rope], rope_index, windows, meta.slot_mapping,
-            group.kv_slots, group.context_lens, self.norms, self.final_norm, self.codes, self.scales, self.lows,
-            self.out_features, self.zero_points, self.k_caches, self.v_caches, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.eps, self.attn_scale, self.gemma,
-        )
+        return self.program.run(x.contiguous(), [c for c, _ in rope], [s for _, s in rope], windows,
+                                meta.slot_mapping, group.kv_slots, group.context_lens)
+
+
+def _has_class() -> bool:
+    """Whether the loaded kernels define the C++ class (a kernel library built before it did not)."""
+    try:
+        torch.classes.gemel.DecodeLayers  # noqa: B018 (a lookup that raises when absent)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def for_step(model: torch.nn.Module, x: torch.Tensor, meta: AttentionMetadata, kv_caches, gemma: bool) -> DecodeLayers | None:

@@ -117,8 +117,8 @@ class Gemma3ForCausalLM(nn.Module):
         }
         if x.dtype == torch.float32 and fused.use_fused(meta) and kernels_take(x.dtype, kv_caches[0][0]):
             whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=True)
-            if whole_step is not None:  # rope tables: 0 global, 1 local
-                return whole_step(x, [rope[False], rope[True]], [int(layer.sliding) for layer in self.layers], meta)
+            if whole_step is not None:
+                return whole_step(x, [rope[False], rope[True]], meta)
             mlp_out, post_ffn_norm = None, None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, mlp_out = layer.forward_fused(x, mlp_out, post_ffn_norm, rope, meta, kv_cache)

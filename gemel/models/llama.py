@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         if fused.use_fused(meta):
             whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=False)
             if whole_step is not None:
-                return whole_step(x, [(cos, sin)], [0] * len(self.layers), meta)
+                return whole_step(x, [(cos, sin)], meta)
             mlp_out = None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, mlp_out = layer.forward_fused(x, mlp_out, cos, sin, meta, kv_cache)
