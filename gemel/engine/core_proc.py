@@ -170,10 +170,13 @@ class EngineLoop:
                 return
             rejected: list[tuple[str, str]] = []
             changed = self._handle(messages, rejected)
+            if self.threads is not None:
+                # Idle iterations too (one every stats_interval_s): the window stays fresh, so
+                # after start-up or an idle spell an idle machine has every core before the
+                # next requests arrive rather than a second into them.
+                self.threads.poll()
             outputs = []
             if self.core.has_unfinished():
-                if self.threads is not None:
-                    self.threads.poll()
                 steps = getattr(self.core, "num_steps", 0)
                 outputs = self.core.step()
                 if getattr(self.core, "num_steps", 0) != steps:

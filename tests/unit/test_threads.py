@@ -128,3 +128,35 @@ def test_only_an_unset_thread_count_on_cpu_adapts():
         assert adaptive_threads(gpu, os.getppid()) is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_engine_loop_polls_the_thread_count_while_idle():
+    """Before the first request (and after any idle spell) the window must stay fresh: a loop
+    that polled only while stepping judged its first window stale and kept one core idle for
+    the first second of every burst of requests."""
+    from gemel.engine.core_proc import EngineLoop, Shutdown
+
+    class Inbox:  # nothing for one idle wait, then Shutdown
+        def __init__(self):
+            self.polls = 0
+
+        def poll(self, timeout=None):
+            self.polls += 1
+            return self.polls > 2
+
+        def recv(self):
+            self.polls = -100  # one message only
+            return Shutdown()
+
+    class Polls:
+        count = 0
+
+        def poll(self):
+            Polls.count += 1
+
+    core = SimpleNamespace(has_unfinished=lambda: False, stats=lambda: None)
+    sent: list = []
+    loop = EngineLoop(core, Inbox(), SimpleNamespace(send=sent.append), stats_interval_s=0.01,
+                      parent_pid=os.getppid(), threads=Polls())
+    loop.run()
+    assert Polls.count >= 2 and not loop.running
