@@ -471,6 +471,20 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 #endif
 }
 
+// x rounded to int8 per group of 32, with each group's unit and sums (quantize_row): scratch
+// kept per calling thread and reused. A batch-1 step makes some 120 calls, and four tensor
+// allocations a call cost more than rounding x.
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> unit, code_sum;
+  std::vector<int32_t> zero_sum;
+};
+
+QuantizedRows& quantized_rows() {
+  thread_local QuantizedRows rows;
+  return rows;
+}
+
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
 // [ceil(N/16), K/32, 16] float32 or both float16 (d may be [.., 32]: a scale per 16 codes, 8-bit
 // codes with zero_point 128, GGUF Q6_K; AVX2 and portable builds) (half the bytes to stream; GGUF stores its
@@ -507,10 +521,11 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   if (!int_zero) check_per_block(low);
   TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
   const auto xc = x.contiguous();
-  auto qx = at::empty({rows, in_features}, xc.options().dtype(at::kChar));
-  auto unit = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
-  auto code_sum = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
-  auto zero_sum = at::empty({int_zero ? rows : 0, groups}, xc.options().dtype(at::kInt));
+  QuantizedRows& q = quantized_rows();
+  q.codes.resize(rows * in_features);
+  q.unit.resize(rows * groups);
+  q.code_sum.resize(rows * groups);
+  q.zero_sum.resize(int_zero ? rows * groups : 0);
   auto y = at::empty({rows, out_features}, xc.options());
 #if defined(GEMEL_AVX2)
   const int32_t dot_offset = nibbles ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
@@ -519,11 +534,12 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
 #endif
   AT_DISPATCH_SWITCH(xc.scalar_type(), "int8_act_gemm", GEMEL_FLOAT_AND_BF16_CASES([&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
-    int8_t* qp = qx.data_ptr<int8_t>();
-    float *up = unit.data_ptr<float>(), *sp = code_sum.data_ptr<float>();
-    int32_t* zp = int_zero ? zero_sum.data_ptr<int32_t>() : nullptr;
+    int8_t* qp = q.codes.data();
+    float *up = q.unit.data(), *sp = q.code_sum.data();
+    int32_t* zp = int_zero ? q.zero_sum.data() : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
-      std::vector<float> inputs(in_features);
+      thread_local std::vector<float> inputs;
+      inputs.resize(in_features);
       for (int64_t m = m0; m < m1; ++m) {
         const scalar_t* row = xp + m * xc.size(1);
         input_row(row, gated ? row + in_features : nullptr, in_features, inputs.data());
