@@ -85,7 +85,7 @@ def _linear(groups: Int4Groups | Int8Groups) -> Linear:
 
 
 @pytest.mark.parametrize("kind", ["int4", "q4_0", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 33])
+@pytest.mark.parametrize("rows", [1, 2, 7, 33, 100])  # 100: past the per-thread scratch
 @pytest.mark.parametrize("out_f", [40, 300])
 @pytest.mark.parametrize("half", [False, True])
 def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_f, half):

@@ -471,16 +471,28 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 #endif
 }
 
-// x rounded to int8 per group of 32, with each group's unit and sums (quantize_row): scratch
-// kept per calling thread and reused. A batch-1 step makes some 120 calls, and four tensor
-// allocations a call cost more than rounding x.
+// x rounded to int8 per group of 32, with each group's unit and sums (quantize_row). A batch-1
+// step makes some 120 calls, and four tensor allocations a call cost more than rounding x, so
+// calls of up to kScratchRows rows use buffers kept per calling thread; larger ones (prefill
+// chunks, where the GEMM dwarfs an allocation) get their own, which keeps what a thread holds
+// small.
+constexpr int64_t kScratchRows = 64;
+
 struct QuantizedRows {
   std::vector<int8_t> codes;
   std::vector<float> unit, code_sum;
   std::vector<int32_t> zero_sum;
+
+  void resize(int64_t rows, int64_t in_features, bool zero_point) {
+    const int64_t groups = in_features / kGroup;
+    codes.resize(rows * in_features);
+    unit.resize(rows * groups);
+    code_sum.resize(rows * groups);
+    zero_sum.resize(zero_point ? rows * groups : 0);
+  }
 };
 
-QuantizedRows& quantized_rows() {
+QuantizedRows& thread_scratch() {
   thread_local QuantizedRows rows;
   return rows;
 }
@@ -521,11 +533,9 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   if (!int_zero) check_per_block(low);
   TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
   const auto xc = x.contiguous();
-  QuantizedRows& q = quantized_rows();
-  q.codes.resize(rows * in_features);
-  q.unit.resize(rows * groups);
-  q.code_sum.resize(rows * groups);
-  q.zero_sum.resize(int_zero ? rows * groups : 0);
+  QuantizedRows own;
+  QuantizedRows& q = rows <= kScratchRows ? thread_scratch() : own;
+  q.resize(rows, in_features, int_zero);
   auto y = at::empty({rows, out_features}, xc.options());
 #if defined(GEMEL_AVX2)
   const int32_t dot_offset = nibbles ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
@@ -538,7 +548,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
     float *up = q.unit.data(), *sp = q.code_sum.data();
     int32_t* zp = int_zero ? q.zero_sum.data() : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
-      thread_local std::vector<float> inputs;
+      thread_local std::vector<float> inputs;  // one row, at most the largest in_features
       inputs.resize(in_features);
       for (int64_t m = m0; m < m1; ++m) {
         const scalar_t* row = xp + m * xc.size(1);
