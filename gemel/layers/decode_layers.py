@@ -3,7 +3,7 @@
 At batch 1 a step of a small model is about 250 kernel calls of a few to a few tens of
 microseconds each, and calling each from Python (the module call, PyTorch's dispatcher, the
 layer's glue) costs 3-4 us more: on an AVX2 CPU over a millisecond of a ~7 ms SmolLM2 step.
-The C++ op runs the same kernels in the same order as the models' fused eager path
+The C++ object runs the same kernels in the same order as the models' fused eager path
 (``forward_fused``), so its results are that path's, bit for bit.
 
 It serves the steps it can: every projection on ``int8_act_gemm`` with no bias (the AVX2
@@ -59,7 +59,7 @@ class DecodeLayers:
 
     @staticmethod
     def supports(model: torch.nn.Module, kv_caches, dtype: torch.dtype, gemma: bool) -> bool:
-        """Whether every layer of ``model`` is what the C++ op computes: projections all on
+        """Whether every layer of ``model`` is what the C++ object computes: projections all on
         int8_act_gemm without bias, caches the kernels take (Gemma 3: in float32 only, where
         its norms are the fused ops' arithmetic)."""
         if not _has_class() or (gemma and dtype != torch.float32):

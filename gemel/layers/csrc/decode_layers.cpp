@@ -11,9 +11,8 @@
 //
 // The layers' tensors (some 480 for SmolLM2: weights, scales, norms, KV caches) are handed
 // over once, to a DecodeLayers object that keeps them; each step passes only its own inputs.
-// Passed as lists on every call, converting them from Python cost about 0.3 ms a step.
+// Passed as lists on every call, converting them cost 78-135 us a step (25-42 us now).
 #include <ATen/core/Tensor.h>
-#include <c10/util/ArrayRef.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
