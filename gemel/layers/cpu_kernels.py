@@ -66,6 +66,12 @@ def serves_sub16_scales() -> bool:
     return load() and "avx512vnni" not in torch.ops.gemel.kernel_isa().split()
 
 
+def serves_five_bit_codes() -> bool:
+    """Whether the loaded int8_act_gemm takes 5-bit codes (GGUF Q5_0) as nibbles plus a plane
+    of fifth bits: the AVX2 and portable builds do; the AVX512-VNNI tiles take them as bytes."""
+    return serves_sub16_scales()
+
+
 def amx_tiles_available() -> bool:
     """Whether ``torch.ops.gemel.amx_bf16_gemm`` runs here: a CPU with AMX-BF16, kernels built
     for it, and the tile state granted to this process by the OS."""

@@ -109,7 +109,7 @@ class Linear(nn.Module):
         return True
 
     def add_int8_activation_gemm_(self, max_rows: int | None = None) -> bool:
-        """Pack the checkpoint's weight groups (GGUF Q4_0/Q4_1/Q8_0) for
+        """Pack the checkpoint's weight groups (GGUF Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) for
         ``torch.ops.gemel.int8_act_gemm``, which then serves every call that the weight-only
         kernels do not, up to ``max_rows`` rows (None: all): integer dot products on the file's
         exact weights with x rounded to int8 per group of 32, llama.cpp's arithmetic, 1.35-1.65x
@@ -119,9 +119,12 @@ class Linear(nn.Module):
             return False
         int4 = self._checkpoint_groups("checkpoint_int4")
         int8 = None if int4 is not None else self._checkpoint_groups("checkpoint_int8")
+        five_bit = int8 is not None and _five_bit_codes(int8)
         if int4 is not None:  # w = (q - 8) * scale + zero; Q4_0 has zero = 0
             codes, scale, low = int4.q.to(torch.uint8), int4.scale.float(), int4.zero.float() - 8.0 * int4.scale.float()
             zero_point = 8 if not bool(int4.zero.any()) else 0
+        elif five_bit:  # Q5_0: w = q * scale = (q + 16) * scale - 16 * scale
+            codes, scale, low, zero_point = (int8.q + 16).to(torch.uint8), int8.scale.float(), None, 16
         elif int8 is not None:  # w = q * scale = (q + 128) * scale - 128 * scale
             if bool((int8.q == -128).any()):
                 return False  # the AVX2 tiles take 8-bit codes as u - 128 in a signed byte (llama.cpp's files have none)
@@ -133,7 +136,7 @@ class Linear(nn.Module):
         else:
             return False
         out_features = codes.shape[0]
-        packed = pack_group_codes(codes, scale, low, zero_point)
+        packed = pack_group_codes(codes, scale, low, zero_point, five_bit)
         if scale.shape[1] * 16 == codes.shape[1]:  # a scale per 16 codes (Q6_K): [blocks, groups, 2 x 16]
             packed = (packed[0], _sub16_by_block(scale, packed[0].shape[0]).to(packed[1].dtype), packed[2])
         self._keep(**dict(zip(("act_codes", "act_scale", "act_low"), packed)))
@@ -341,7 +344,7 @@ def pack_int4_rows(groups: Int4Groups) -> torch.Tensor:
 
 
 def pack_group_codes(
-    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, zero_point: int = 0
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, zero_point: int = 0, five_bit: bool = False
 ) -> tuple[torch.Tensor, ...]:
     """Weight groups ``w = scale * codes + low`` (codes uint8 [out, in], scale and low
     [out, in / 32]) in the layout of ``torch.ops.gemel.int8_act_gemm`` (see its source): rows
@@ -349,20 +352,38 @@ def pack_group_codes(
     rows, each lane 4 consecutive codes; scale and low as [blocks, groups, 16], float16 where
     that holds them exactly, else float32.
     Codes that all fit in 4 bits are stored two a byte (vectors 0-3 in the low nibbles, 4-7
-    in the high ones): half the bytes to stream per step. With an integer ``zero_point`` z
-    (``w = scale * (codes - z)``: Q4_0, Q8_0) ``low`` is not needed and comes back empty."""
+    in the high ones): half the bytes to stream per step. With ``five_bit``, codes that fit in
+    5 bits are stored so too, followed by a plane of their fifth bits (64 bytes per block and
+    group: bit p of byte i is vector p's byte i's), 320 bytes against 512. With an integer
+    ``zero_point`` z (``w = scale * (codes - z)``: Q4_0, Q5_0, Q8_0) ``low`` is not needed and
+    comes back empty."""
     out_features, in_features = codes.shape
     num_groups, blocks = in_features // 32, -(-out_features // 16)
     pad = blocks * 16 - out_features
     packed = F.pad(codes, (0, 0, 0, pad)).view(blocks, 16, num_groups, 8, 4).permute(0, 2, 3, 1, 4)
     packed = packed.reshape(blocks, num_groups, 512)
-    if int(codes.max()) < 16:
-        packed = packed[..., :256] | (packed[..., 256:] << 4)
+    top = int(codes.max())
+    if top < 16 or (five_bit and top < 32):
+        nibbles = (packed[..., :256] & 0x0F) | ((packed[..., 256:] & 0x0F) << 4)
+        if top < 16:
+            packed = nibbles
+        else:
+            fifth = ((packed.view(blocks, num_groups, 8, 64) >> 4) & 1).to(torch.int32)
+            plane = (fifth << torch.arange(8, dtype=torch.int32).view(8, 1)).sum(2).to(torch.uint8)
+            packed = torch.cat([nibbles, plane], dim=-1)
 
     kept = [scale.float()] + ([] if zero_point else [low.float()])
     dtype = _scale_dtype(*kept)
     low_by_block = torch.empty(0, 0, 0, dtype=dtype) if zero_point else _by_block(kept[1], blocks, dtype)
     return packed.contiguous(), _by_block(kept[0], blocks, dtype), low_by_block
+
+
+def _five_bit_codes(groups: Int8Groups) -> bool:
+    """Whether int8 groups are 5-bit codes (GGUF Q5_0: q in -16..15, one scale per 32) that
+    the loaded int8_act_gemm takes as nibbles plus a plane of fifth bits: 62.5% of the bytes
+    of 8-bit codes, and fewer ops on the AVX2 tiles."""
+    return (groups.group_size == 32 and cpu_kernels.serves_five_bit_codes()
+            and int(groups.q.min()) >= -16 and int(groups.q.max()) < 16)
 
 
 def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:

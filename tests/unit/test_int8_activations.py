@@ -75,6 +75,40 @@ def test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them(rows, 
     torch.testing.assert_close(fused.dequantize()[out_f:], _int8_groups(32, in_f, seed=1).dequantize())
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 100])
+@pytest.mark.parametrize("out_f", [16, 40, 300])
+@pytest.mark.parametrize("half", [False, True])
+def test_five_bit_codes_are_packed_as_nibbles_and_fifth_bits(rows, out_f, half):
+    """Q5_0's codes (q in -16..15, w = scale * q): the AVX2 and portable builds store them as
+    nibbles plus a plane of fifth bits (320 bytes per block and group, zero point 16) and give
+    the written-out arithmetic, also where the largest codes meet the largest x (their int16
+    sums are widened every two steps); the AVX512-VNNI tiles take them as 8-bit codes."""
+    assert cpu_kernels.load()
+    in_f = 128
+    g = torch.Generator().manual_seed(rows * 31 + out_f)
+    q = torch.randint(-16, 16, (out_f, in_f), dtype=torch.int8, generator=g)
+    q[0], q[-1, :64] = 15, -16  # a row of the largest codes, and the smallest
+    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.01 + 0.001
+    groups = Int8Groups(q, scale.half().float() if half else scale)
+    lin = _linear(groups)
+    assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
+    if cpu_kernels.serves_five_bit_codes():
+        assert lin.act_codes.shape[-1] == 320 and lin.int8_act_zero_point == 16
+    else:
+        assert lin.act_codes.shape[-1] == 512 and lin.int8_act_zero_point == 128
+    assert lin.act_scale.dtype == (torch.float16 if half else torch.float32)
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
+    x[0, :64] = 3.0  # every code 127 in two groups: against the row of 15s, the largest sums
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    torch.testing.assert_close(y, _int8_activation_product(x, groups.dequantize()), atol=1e-4, rtol=1e-4)
+    y16 = lin(x.bfloat16())
+    expected16 = _int8_activation_product(x.bfloat16(), groups.dequantize())
+    torch.testing.assert_close(y16.float(), expected16, atol=expected16.abs().max().item() / 128, rtol=2**-8)
+    gate_up = torch.randn(rows, 2 * in_f, generator=g) * 3  # a down projection's input, rounded in the kernel
+    assert torch.equal(lin.forward_gated(gate_up), lin(torch.ops.gemel.silu_and_mul(gate_up)))
+
+
 def _linear(groups: Int4Groups | Int8Groups) -> Linear:
     lin = Linear(groups.dequantize().bfloat16())
     if isinstance(groups, Int4Groups):

@@ -18,6 +18,10 @@
 // low nibbles, vector j + 4 in the high ones (256 bytes per block and group). A decode step
 // streams every weight from memory, so half the bytes matter more than the two extra
 // instructions per vector that unpack them.
+//
+// 5-bit codes (GGUF Q5_0, AVX2 and portable builds) are stored as those nibbles plus a plane
+// of their fifth bits: 64 more bytes per block and group, where bit p of byte i is the fifth
+// bit of vector p's byte i (320 bytes against the 512 of 8-bit codes).
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -48,6 +52,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
 constexpr int64_t kBlockBytes = kBlockRows * kGroup;  // one group's codes of one block
 constexpr int64_t kNibbleBlockBytes = kBlockBytes / 2;  // the same, two 4-bit codes a byte
+constexpr int64_t kFiveBlockBytes = kNibbleBlockBytes + kBlockBytes / 8;  // 5-bit: nibbles + fifth bits
 constexpr int64_t kTileRows = 4;                     // rows of x per register tile
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
 static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
@@ -255,6 +260,10 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
 // vpmaddwd adds those pairs into the int32 lanes.
 //  - 4-bit codes: a pair of products is at most 2 * 15 * 127, so the eight vpmaddubsw of a
 //    group add up in int16 without saturating and one vpmaddwd a group widens them.
+//  - 5-bit codes: a pair of products is at most 2 * 31 * 127, so two steps of the group loop
+//    (four vpmaddubsw) add up in int16 and a vpmaddwd widens every two. The fifth bits are
+//    shifted to bit 4 of each byte and ORed onto the nibbles: fewer ops than 8-bit codes from
+//    4 rows of x up (no sign trick, one widening per 64 products), 62.5% of their bytes.
 //  - 8-bit codes: a pair of products could reach 2 * 255 * 127 and saturate, so each code
 //    is taken as s = u - 128 and multiplied as |x| by s with x's sign (at most 2 * 127 * 128,
 //    which fits), llama.cpp's trick. It needs s != -128 (no code 0), which the packing
@@ -280,7 +289,7 @@ inline int32_t four_codes(const int8_t* p) {
 }
 
 // kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
-template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
+template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
 void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
                int64_t block, int half) {
@@ -292,29 +301,50 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
     const int8_t* xg = codes + g * kGroup;
     __m256i dot[kRows], dot2[kSub16 ? kRows : 1];  // kSub16: dot of codes 0-15, dot2 of 16-31
     if constexpr (kNibbles) {
-      const uint8_t* wg = w + (block * groups + g) * kNibbleBlockBytes + half * 32;
-      const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+      constexpr int64_t kBytes = kFive ? kFiveBlockBytes : kNibbleBlockBytes;
+      const uint8_t* wg = w + (block * groups + g) * kBytes + half * 32;
+      const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
       __m256i sum16[kRows];
-      for (int r = 0; r < kRows; ++r) sum16[r] = _mm256_setzero_si256();
+      for (int r = 0; r < kRows; ++r) sum16[r] = dot[r] = _mm256_setzero_si256();
       if (half == 0 && kRows <= 2) {  // a decode step streams the weights: into L2 ahead of use
-        for (int line = 0; line < 4; ++line)
+        for (int line = 0; line < kBytes / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T1);
+      }
+      // 5-bit codes: vector j's fifth bit is bit j of its plane byte and vector j + 4's bit j + 4;
+      // each step of the loop shifts both planes right by one (in 16-bit lanes: bit 4 of either
+      // byte comes from the same byte).
+      __m256i fifth_lo = _mm256_setzero_si256(), fifth_hi = fifth_lo;
+      if constexpr (kFive) {
+        fifth_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kNibbleBlockBytes));
+        fifth_lo = _mm256_slli_epi16(fifth_hi, 4);
       }
       // Not unrolled: unrolled, GCC hoists every vpmaddubsw of the group ahead of the adds and
       // spills their results to the stack (about half the speed at 32 rows).
 #pragma GCC unroll 1
       for (int j = 0; j < kGroup / 8; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
-        const __m256i lo = _mm256_and_si256(v, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        __m256i lo = _mm256_and_si256(v, low_nibbles);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        if constexpr (kFive) {
+          lo = _mm256_or_si256(lo, _mm256_and_si256(fifth_lo, bit4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(fifth_hi, bit4));
+          fifth_lo = _mm256_srli_epi16(fifth_lo, 1);
+          fifth_hi = _mm256_srli_epi16(fifth_hi, 1);
+        }
         for (int r = 0; r < kRows; ++r) {
           const int8_t* xr = xg + r * in_features;
           const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_codes(xr + j * 4)));
           const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_codes(xr + (j + 4) * 4)));
           sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(a, b));
+          if (kFive && (j & 1)) {  // two steps' 5-bit products are as much as int16 holds
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sum16[r], ones));
+            sum16[r] = _mm256_setzero_si256();
+          }
         }
       }
-      for (int r = 0; r < kRows; ++r) dot[r] = _mm256_madd_epi16(sum16[r], ones);
+      if constexpr (!kFive) {
+        for (int r = 0; r < kRows; ++r) dot[r] = _mm256_madd_epi16(sum16[r], ones);
+      }
     } else {
       const uint8_t* wg = w + (block * groups + g) * kBlockBytes + half * 32;
       if (half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
@@ -382,7 +412,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
 
 // All rows of x against output blocks [b0, b1): each half block's weights (a few KB) stay in
 // L1 while every tile of 4 rows of x passes over them.
-template <bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
+template <bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
 void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                       const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                       int64_t out_features, int64_t b0, int64_t b1) {
@@ -394,7 +424,7 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
         const float *u = unit + m * groups, *s = code_sum + m * groups;
         const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
         T* out = y + m * out_features;
-#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, kSub16, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half)
+#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, kSub16, kFive, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half)
         switch (std::min<int64_t>(kTileRows, rows - m)) {
           case 1: GEMEL_TILE_HALF(1); break;
           case 2: GEMEL_TILE_HALF(2); break;
@@ -414,13 +444,14 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
 
 // Blocks [b0, b1) of the output for all rows. kSub16: each group of 32 has two scales, one per
 // 16 codes (GGUF Q6_K), d is [blocks, groups, 2, 16], and the integer zero point is 128.
-template <bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
+// kFive (with kNibbles): 5-bit codes, nibbles and a plane of fifth bits (AVX2 and portable).
+template <bool kNibbles, bool kIntZero, bool kSub16, typename S, bool kFive = false, typename T>
 void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                  const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                  int64_t out_features, int64_t b0, int64_t b1) {
   const int64_t groups = in_features / kGroup;
 #if defined(GEMEL_VNNI)
-  static_assert(!kSub16, "the VNNI tiles take one scale per group");
+  static_assert(!kSub16 && !kFive, "the VNNI tiles take 4- and 8-bit codes with one scale per group");
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
     tile_rows<kTileBlocks, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
@@ -429,7 +460,7 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
     tile_rows<1, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
                                         b);
 #elif defined(GEMEL_AVX2)
-  gemm_blocks_avx2<kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
+  gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
 #else
   for (int64_t b = b0; b < b1; ++b) {
@@ -442,8 +473,10 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
             const int64_t vector = k / 4, lane_byte = 4 * i + k % 4;
             int32_t u;
             if constexpr (kNibbles) {
-              const uint8_t both = w[(b * groups + g) * kNibbleBlockBytes + (vector % 4) * 64 + lane_byte];
+              const uint8_t* wg = w + (b * groups + g) * (kFive ? kFiveBlockBytes : kNibbleBlockBytes);
+              const uint8_t both = wg[(vector % 4) * 64 + lane_byte];
               u = vector < 4 ? both & 0x0F : both >> 4;
+              if constexpr (kFive) u |= ((wg[kNibbleBlockBytes + lane_byte] >> vector) & 1) << 4;
             } else {
               u = w[(b * groups + g) * kBlockBytes + vector * 64 + lane_byte];
             }
@@ -497,7 +530,8 @@ QuantizedRows& thread_scratch() {
   return rows;
 }
 
-// x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte); d, low:
+// x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte; 5-bit codes,
+// with an integer zero point, AVX2 and portable builds: 320, the nibbles and their fifth bits); d, low:
 // [ceil(N/16), K/32, 16] float32 or both float16 (d may be [.., 32]: a scale per 16 codes, 8-bit
 // codes with zero_point 128, GGUF Q6_K; AVX2 and portable builds) (half the bytes to stream; GGUF stores its
 // scales as float16). zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
@@ -511,7 +545,8 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   const int64_t rows = x.size(0), in_features = gated ? x.size(1) / 2 : x.size(1), groups = in_features / kGroup;
   const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
   TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
-  const bool nibbles = codes.size(2) == kNibbleBlockBytes;
+  const bool five = codes.size(2) == kFiveBlockBytes;
+  const bool nibbles = codes.size(2) == kNibbleBlockBytes || five;
   TORCH_CHECK(codes.size(0) == blocks && codes.size(1) == groups && (nibbles || codes.size(2) == kBlockBytes),
               "codes do not match x and out_features");
   const bool int_zero = zero_point != 0;
@@ -519,8 +554,10 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   TORCH_CHECK(!int_zero || low.numel() == 0, "with an integer zero point, low must be empty");
   const bool sub16 = d.dim() == 3 && d.size(2) == 2 * kBlockRows;
   TORCH_CHECK(!sub16 || (zero_point == 128 && !nibbles), "scales per 16 codes need 8-bit codes and zero_point 128");
+  TORCH_CHECK(!five || int_zero, "5-bit codes need an integer zero point");
 #if defined(GEMEL_VNNI)
   TORCH_CHECK(!sub16, "scales per 16 codes are served by the AVX2 and portable builds only");
+  TORCH_CHECK(!five, "5-bit codes are served by the AVX2 and portable builds only");
 #endif
   const auto check_per_block = [&](const at::Tensor& t) {
     TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.scalar_type() == d.scalar_type() &&
@@ -573,6 +610,13 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         if constexpr (!kNib && kZero) {
           if (sub16) {
             gemm_blocks<false, true, true, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+            return;
+          }
+        }
+        if constexpr (kNib && kZero) {
+          if (five) {
+            gemm_blocks<true, true, false, S, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0,
+                                                    b1);
             return;
           }
         }
