@@ -169,7 +169,11 @@ class ModelRunner:
         if shared >= CASCADE_MIN_SHARED_TOKENS:
             return build_group(rows, positions, [s[shared:] for s in slots], None, self.device,
                                shared_slots=slots[0][:shared].tolist())
-        return build_group(rows, positions, slots, self.sliding_window, self.device)
+        return build_group(rows, positions, slots, self.sliding_window, self.device, masks=not self._kernel_decodes())
+
+    def _kernel_decodes(self) -> bool:
+        """Whether the C++ kernel attends this runner's decodes (no masks needed then)."""
+        return self.decode_kernel and kv_cache.kernels_take(self.dtype, self.kv_caches[0][0])
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

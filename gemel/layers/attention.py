@@ -29,7 +29,7 @@ class AttentionGroup:
     valid_rows: torch.Tensor  # positions in the flattened [B * max_q] layout that are real tokens
     token_rows: torch.Tensor  # the flat token rows those valid positions belong to
     kv_slots: torch.Tensor  # [B, max_ctx] cache slots of each sequence's context (padding -> 0)
-    mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where a query may attend (causal)
+    mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] True where a query may attend (causal)
     sliding_mask: torch.Tensor | None  # same, restricted to the sliding window
     is_decode: bool = False  # one query per sequence: attention as two small batched matmuls
     bias: torch.Tensor | None = None  # decode only: [1, B, 1, max_ctx] float32, 0 or -inf
@@ -69,13 +69,15 @@ def build_group(
     sliding_window: int | None,
     device: torch.device,
     shared_slots: list[int] | None = None,
+    masks: bool = True,
 ) -> AttentionGroup:
     """Index tensors for sequences attended with one padded SDPA call.
 
     ``seq_rows[b]``: flat token rows of sequence b's new tokens; ``query_positions[b]``:
     their absolute positions; ``context_slots[b]``: cache slots of positions 0..ctx-1, or,
     with ``shared_slots`` (decodes without a sliding window only), of the positions after
-    that shared prefix.
+    that shared prefix. ``masks=False``, for decodes that the C++ kernel attends (it reads
+    the context lengths and the window): no masks nor biases, some ten tensor ops a step.
     """
     batch = len(seq_rows)
     max_q = max(len(r) for r in seq_rows)
@@ -100,6 +102,20 @@ def build_group(
     consecutive = rows_np.size > 0 and bool((np.diff(rows_np) == 1).all())
     query_index, kv_slots = torch.from_numpy(query_index_np), torch.from_numpy(kv_slots_np)
     q_pos, ctx_len = torch.from_numpy(q_pos_np), torch.from_numpy(ctx_len_np)
+    is_decode = max_q == 1
+    if is_decode and not masks and shared_slots is None:
+        return AttentionGroup(
+            query_index=query_index.to(device),
+            valid_rows=torch.as_tensor(valid_rows, dtype=torch.long, device=device),
+            token_rows=torch.as_tensor(token_rows, dtype=torch.long, device=device),
+            kv_slots=kv_slots.to(device),
+            mask=None,
+            sliding_mask=None,
+            is_decode=True,
+            context_lens=ctx_len.to(device),
+            sliding_window=sliding_window or 0,
+            token_slice=(int(rows_np[0]), int(rows_np.size)) if consecutive else None,
+        )
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
     qp = q_pos.unsqueeze(-1)
     mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
@@ -109,7 +125,6 @@ def build_group(
         sliding[..., 0] |= q_pos < 0  # padding rows attend somewhere, avoiding NaN
         sliding = sliding.unsqueeze(1).to(device)
     mask[..., 0] |= q_pos < 0
-    is_decode = max_q == 1
 
     def bias(m):
         if m is None:

@@ -71,7 +71,8 @@ def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim,
     bf16 with head sizes 64 and 128 takes its AVX512-BF16 path where the CPU has one (group
     8 at head size 128: scores there, value sums in the generic loop). int8 caches take
     their AVX-512 path at head size 64 with groups up to 4 and 128 up to 2, and the generic
-    loops elsewhere."""
+    loops elsewhere. The kernel's group is built without masks (it reads the context lengths
+    and the window), as the runner builds it when the kernel attends its decodes."""
     _kernel_available()
     torch.manual_seed(0)
     num_kv, num_slots, block = 2, 1024, 16
@@ -88,10 +89,12 @@ def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim,
     q = torch.randn(len(lengths), heads, dim).to(dtype)
     k_new, v_new = torch.randn(len(lengths), num_kv, dim).to(dtype), torch.randn(len(lengths), num_kv, dim).to(dtype)
     rows = [range(i, i + 1) for i in range(len(lengths))]
-    group = build_group(rows, [[n - 1] for n in lengths], contexts, sliding_window, torch.device("cpu"))
+    groups = [build_group(rows, [[n - 1] for n in lengths], contexts, sliding_window, torch.device("cpu"), masks=masks)
+              for masks in (True, False)]
+    assert groups[1].mask is groups[1].bias is groups[1].sliding_bias is None and groups[0].bias is not None
     slot_mapping = torch.tensor([c[-1] for c in contexts])
     outs = []
-    for kernel in (False, True):
+    for kernel, group in zip((False, True), groups):
         meta = AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=len(lengths), decode_kernel=kernel)
         kc, vc = k_cache.clone(), v_cache.clone()
         outs.append(paged_attention(q, k_new, v_new, kc, vc, meta, scale=dim**-0.5,
