@@ -288,11 +288,37 @@ inline int32_t four_codes(const int8_t* p) {
   return four;
 }
 
+// One half of output block `block`'s 5-bit codes as bytes, all groups: [groups][8 vectors][32].
+// Calls of more than one tile of rows unpack them once here and every tile reads the bytes
+// (unpacked per tile, the nibbles and fifth bits cost 9 ops a step of the group loop, and
+// held all tile long they left too few registers: 4-row tiles ran at 70-85 GMAC/s against
+// 135-150 on 4-bit codes).
+void unpack_five_half(const uint8_t* w, int64_t groups, int64_t block, int half, uint8_t* out) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + (block * groups + g) * kFiveBlockBytes + half * 32;
+    __m256i fifth_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kNibbleBlockBytes));
+    __m256i fifth_lo = _mm256_slli_epi16(fifth_hi, 4);
+    uint8_t* og = out + g * 256;
+    for (int j = 0; j < kGroup / 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low_nibbles), _mm256_and_si256(fifth_lo, bit4));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles),
+                                         _mm256_and_si256(fifth_hi, bit4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(og + j * 32), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(og + (j + 4) * 32), hi);
+      fifth_lo = _mm256_srli_epi16(fifth_lo, 1);
+      fifth_hi = _mm256_srli_epi16(fifth_hi, 1);
+    }
+  }
+}
+
 // kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
+// `unpacked` (5-bit codes only): that half's codes as bytes (unpack_five_half), read instead of w.
 template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
 void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
-               int64_t block, int half) {
+               int64_t block, int half, const uint8_t* unpacked = nullptr) {
   const int64_t groups = in_features / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
@@ -300,7 +326,24 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* xg = codes + g * kGroup;
     __m256i dot[kRows], dot2[kSub16 ? kRows : 1];  // kSub16: dot of codes 0-15, dot2 of 16-31
-    if constexpr (kNibbles) {
+    if (kFive && unpacked != nullptr) {
+      // Bytes of at most 31: four vpmaddubsw add up in int16 (a pair is at most 2 * 31 * 127).
+      const uint8_t* ug = unpacked + g * 256;
+      for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int quarter = 0; quarter < 2; ++quarter) {
+        __m256i sum16[kRows];
+        for (int r = 0; r < kRows; ++r) sum16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int vec = 4 * quarter; vec < 4 * quarter + 4; ++vec) {
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + vec * 32));
+          for (int r = 0; r < kRows; ++r)
+            sum16[r] = _mm256_add_epi16(
+                sum16[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four_codes(xg + r * in_features + vec * 4))));
+        }
+        for (int r = 0; r < kRows; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sum16[r], ones));
+      }
+    } else if constexpr (kNibbles) {
       constexpr int64_t kBytes = kFive ? kFiveBlockBytes : kNibbleBlockBytes;
       const uint8_t* wg = w + (block * groups + g) * kBytes + half * 32;
       const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
@@ -417,14 +460,22 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
                       const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                       int64_t out_features, int64_t b0, int64_t b1) {
   const int64_t groups = in_features / kGroup;
+  thread_local std::vector<uint8_t> five_bytes;  // one half block's 5-bit codes as bytes
+  const bool unpack = kFive && rows > kTileRows;
+  if (unpack) five_bytes.resize(groups * 256);
   for (int64_t b = b0; b < b1; ++b) {
     for (int half = 0; half < 2 && b * kBlockRows + half * 8 < out_features; ++half) {
+      const uint8_t* unpacked = nullptr;
+      if (unpack) {
+        unpack_five_half(w, groups, b, half, five_bytes.data());
+        unpacked = five_bytes.data();
+      }
       for (int64_t m = 0; m < rows; m += kTileRows) {
         const int8_t* c = codes + m * in_features;
         const float *u = unit + m * groups, *s = code_sum + m * groups;
         const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
         T* out = y + m * out_features;
-#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, kSub16, kFive, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half)
+#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, kSub16, kFive, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, unpacked)
         switch (std::min<int64_t>(kTileRows, rows - m)) {
           case 1: GEMEL_TILE_HALF(1); break;
           case 2: GEMEL_TILE_HALF(2); break;
