@@ -289,10 +289,11 @@ inline int32_t four_codes(const int8_t* p) {
 }
 
 // One half of output block `block`'s 5-bit codes as bytes, all groups: [groups][8 vectors][32].
-// Calls of more than one tile of rows unpack them once here and every tile reads the bytes
-// (unpacked per tile, the nibbles and fifth bits cost 9 ops a step of the group loop, and
-// held all tile long they left too few registers: 4-row tiles ran at 70-85 GMAC/s against
-// 135-150 on 4-bit codes).
+// Calls of more than one tile of rows unpack them once here and every tile reads the bytes:
+// unpacked per tile, the nibbles and fifth bits cost 9 ops a step of the group loop, and held
+// all tile long they left too few registers (Gemma 3's gate_up at 32 and 128 rows: 135 and
+// 137 GMAC/s unpacked per tile, 151 and 158 once, alternated in one process, Zen 4 capped at
+// AVX2). 4-bit codes gain nothing from it (their unpacking is 3 ops a step).
 void unpack_five_half(const uint8_t* w, int64_t groups, int64_t block, int half, uint8_t* out) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   for (int64_t g = 0; g < groups; ++g) {
@@ -314,8 +315,8 @@ void unpack_five_half(const uint8_t* w, int64_t groups, int64_t block, int half,
 }
 
 // kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
-// `unpacked` (5-bit codes only): that half's codes as bytes (unpack_five_half), read instead of w.
-template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
+// kBytes (5-bit codes): that half's codes already as bytes in `unpacked` (unpack_five_half).
+template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, bool kBytes, typename S, typename T>
 void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
                int64_t block, int half, const uint8_t* unpacked = nullptr) {
@@ -326,38 +327,22 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* xg = codes + g * kGroup;
     __m256i dot[kRows], dot2[kSub16 ? kRows : 1];  // kSub16: dot of codes 0-15, dot2 of 16-31
-    if (kFive && unpacked != nullptr) {
-      // Bytes of at most 31: four vpmaddubsw add up in int16 (a pair is at most 2 * 31 * 127).
-      const uint8_t* ug = unpacked + g * 256;
-      for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int quarter = 0; quarter < 2; ++quarter) {
-        __m256i sum16[kRows];
-        for (int r = 0; r < kRows; ++r) sum16[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-        for (int vec = 4 * quarter; vec < 4 * quarter + 4; ++vec) {
-          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + vec * 32));
-          for (int r = 0; r < kRows; ++r)
-            sum16[r] = _mm256_add_epi16(
-                sum16[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four_codes(xg + r * in_features + vec * 4))));
-        }
-        for (int r = 0; r < kRows; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sum16[r], ones));
-      }
-    } else if constexpr (kNibbles) {
-      constexpr int64_t kBytes = kFive ? kFiveBlockBytes : kNibbleBlockBytes;
-      const uint8_t* wg = w + (block * groups + g) * kBytes + half * 32;
+    if constexpr (kNibbles) {
+      constexpr int64_t kGroupBytes = kFive ? kFiveBlockBytes : kNibbleBlockBytes;
+      const uint8_t* wg = w + (block * groups + g) * kGroupBytes + half * 32;
       const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
       __m256i sum16[kRows];
       for (int r = 0; r < kRows; ++r) sum16[r] = dot[r] = _mm256_setzero_si256();
-      if (half == 0 && kRows <= 2) {  // a decode step streams the weights: into L2 ahead of use
-        for (int line = 0; line < kBytes / 64; ++line)
+      if (!kBytes && half == 0 && kRows <= 2) {  // a decode step streams the weights: into L2 ahead of use
+        for (int line = 0; line < kGroupBytes / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T1);
       }
       // 5-bit codes: vector j's fifth bit is bit j of its plane byte and vector j + 4's bit j + 4;
       // each step of the loop shifts both planes right by one (in 16-bit lanes: bit 4 of either
       // byte comes from the same byte).
       __m256i fifth_lo = _mm256_setzero_si256(), fifth_hi = fifth_lo;
-      if constexpr (kFive) {
+      const uint8_t* ug = kBytes ? unpacked + g * 256 : nullptr;
+      if constexpr (kFive && !kBytes) {
         fifth_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kNibbleBlockBytes));
         fifth_lo = _mm256_slli_epi16(fifth_hi, 4);
       }
@@ -365,10 +350,16 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
       // spills their results to the stack (about half the speed at 32 rows).
 #pragma GCC unroll 1
       for (int j = 0; j < kGroup / 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
-        __m256i lo = _mm256_and_si256(v, low_nibbles);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-        if constexpr (kFive) {
+        __m256i lo, hi;
+        if constexpr (kBytes) {
+          lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + j * 32));
+          hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + (j + 4) * 32));
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
+          lo = _mm256_and_si256(v, low_nibbles);
+          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        }
+        if constexpr (kFive && !kBytes) {
           lo = _mm256_or_si256(lo, _mm256_and_si256(fifth_lo, bit4));
           hi = _mm256_or_si256(hi, _mm256_and_si256(fifth_hi, bit4));
           fifth_lo = _mm256_srli_epi16(fifth_lo, 1);
@@ -475,12 +466,22 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
         const float *u = unit + m * groups, *s = code_sum + m * groups;
         const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
         T* out = y + m * out_features;
-#define GEMEL_TILE_HALF(R) tile_half<R, kNibbles, kIntZero, kSub16, kFive, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, unpacked)
-        switch (std::min<int64_t>(kTileRows, rows - m)) {
-          case 1: GEMEL_TILE_HALF(1); break;
-          case 2: GEMEL_TILE_HALF(2); break;
-          case 3: GEMEL_TILE_HALF(3); break;
-          default: GEMEL_TILE_HALF(kTileRows); break;
+#define GEMEL_TILE_HALF(R, B) tile_half<R, kNibbles, kIntZero, kSub16, kFive, B, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, unpacked)
+        const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - m);
+        if (unpacked != nullptr) {
+          switch (tile_rows) {
+            case 1: GEMEL_TILE_HALF(1, kFive); break;
+            case 2: GEMEL_TILE_HALF(2, kFive); break;
+            case 3: GEMEL_TILE_HALF(3, kFive); break;
+            default: GEMEL_TILE_HALF(kTileRows, kFive); break;
+          }
+          continue;
+        }
+        switch (tile_rows) {
+          case 1: GEMEL_TILE_HALF(1, false); break;
+          case 2: GEMEL_TILE_HALF(2, false); break;
+          case 3: GEMEL_TILE_HALF(3, false); break;
+          default: GEMEL_TILE_HALF(kTileRows, false); break;
         }
 #undef GEMEL_TILE_HALF
       }
