@@ -130,9 +130,12 @@ class Linear(nn.Module):
                 return False  # the AVX2 tiles take 8-bit codes as u - 128 in a signed byte (llama.cpp's files have none)
             if int8.group_size not in (16, 32) or (int8.group_size == 16 and not cpu_kernels.serves_sub16_scales()):
                 return False
-            codes = (int8.q.to(torch.int16) + 128).to(torch.uint8)
-            scale = int8.scale.float()
-            low, zero_point = None, 128
+            scale, low = int8.scale.float(), None
+            if int8.group_size == 16 and int(int8.q.min()) >= -32 and int(int8.q.max()) < 32:
+                # Q6_K's 6-bit codes as 0-63: the AVX2 tiles multiply them without the sign trick
+                codes, zero_point = (int8.q + 32).to(torch.uint8), 32
+            else:
+                codes, zero_point = (int8.q.to(torch.int16) + 128).to(torch.uint8), 128
         else:
             return False
         out_features = codes.shape[0]

@@ -46,28 +46,35 @@ def _int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     return (codes * unit).view(rows, in_f) @ weight.T
 
 
-def _int8_groups_of_16(out_f: int, in_f: int, seed: int) -> Int8Groups:
-    """Q6_K-like: 6-bit codes held as q - 32, a scale per 16 weights (d times an int8)."""
+def _int8_groups_of_16(out_f: int, in_f: int, seed: int, bits: int = 6) -> Int8Groups:
+    """Q6_K-like: 6-bit codes held as q - 32 (or wider ones), a scale per 16 weights (d times an int8)."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.randint(-128, 128, (out_f, in_f // 16), generator=g).float() * 0.0003
-    return Int8Groups(torch.randint(-32, 32, (out_f, in_f), dtype=torch.int8, generator=g), scale)
+    top = 2 ** (bits - 1)
+    return Int8Groups(torch.randint(1 - top, top, (out_f, in_f), dtype=torch.int8, generator=g), scale)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("out_f", [16, 40, 300])
-def test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them(rows, out_f):
+@pytest.mark.parametrize("bits", [6, 8])
+def test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them(rows, out_f, bits):
     """Q6_K's groups of 16 (two scales per group of 32 of x): the AVX2 and portable builds run
-    them on int8_act_gemm, to the written-out arithmetic; the AVX512-VNNI tiles do not take them
-    and the projection stays on its other paths."""
+    them on int8_act_gemm, to the written-out arithmetic, 6-bit codes as 0-63 with zero point 32
+    (the AVX2 tiles then multiply without the sign trick; the row of largest codes against the
+    largest x checks their int16 sums) and wider ones with zero point 128; the AVX512-VNNI tiles
+    do not take them and the projection stays on its other paths."""
     assert cpu_kernels.load()
     in_f = 96
-    groups = _int8_groups_of_16(out_f, in_f, seed=rows * 7 + out_f)
+    groups = _int8_groups_of_16(out_f, in_f, seed=rows * 7 + out_f, bits=bits)
+    groups.q[0] = 2 ** (bits - 1) - 1
     lin = _linear(groups)
     if not cpu_kernels.serves_sub16_scales():
         assert not lin.add_int8_activation_gemm_() and lin.int8_act_out_features == 0
         return
     assert lin.add_int8_activation_gemm_() and lin.act_scale.shape[-1] == 32
+    assert lin.int8_act_zero_point == (32 if bits == 6 else 128)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 2.0  # codes of 127
     expected = _int8_activation_product(x, groups.dequantize())
     torch.testing.assert_close(lin(x), expected, atol=1e-4, rtol=1e-4)
     fused = Int8Groups.cat([groups, _int8_groups(32, in_f, seed=1)])  # a Q8_0 part joins at groups of 16

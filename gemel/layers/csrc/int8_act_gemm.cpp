@@ -86,13 +86,13 @@ void input_row(const T* x, const T* up, int64_t in_features, float* out) {
 // One row of inputs [K] -> int8 codes per group of 32 (unit max|x|/127, rounded to nearest
 // even), each group's unit, and unit * (sum of the codes): the group's sum as the codes carry
 // it, which multiplies `low`. With an integer zero point z (low = -z d), zero_sum gets z *
-// (sum of the codes) as well.
+// (sum of the codes) as well, or with `halves` (a scale per 16 codes) z * the sum of each 16.
 void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* unit, float* code_sum,
-                  int32_t zero_point, int32_t* zero_sum) {
+                  int32_t zero_point, int32_t* zero_sum, bool halves) {
   for (int64_t g = 0; g < in_features / kGroup; ++g) {
     const float* xg = x + g * kGroup;
     int8_t* cg = codes + g * kGroup;
-    int32_t total = 0;
+    int32_t total = 0, first_half = 0;
     float amax = 0.f;
 #if defined(GEMEL_VNNI)
     const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
@@ -102,7 +102,8 @@ void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* uni
     const __m512i code_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cg), _mm512_cvtepi32_epi8(code_lo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cg + 16), _mm512_cvtepi32_epi8(code_hi));
-    total = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
+    first_half = _mm512_reduce_add_epi32(code_lo);
+    total = first_half + _mm512_reduce_add_epi32(code_hi);
 #elif defined(GEMEL_AVX2)
     __m256 v[4];
     __m256 m = _mm256_setzero_ps();
@@ -118,11 +119,14 @@ void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* uni
     const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i c[4];
     for (int k = 0; k < 4; ++k) c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));  // nearest even
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    total = _mm_cvtsi128_si32(s4);
+    const auto hsum = [](__m256i v) {
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      return _mm_cvtsi128_si32(s4);
+    };
+    first_half = hsum(_mm256_add_epi32(c[0], c[1]));
+    total = first_half + hsum(_mm256_add_epi32(c[2], c[3]));
     // int32 -> int8 with the order kept: packs interleave 128-bit lanes, the permute undoes it.
     const __m256i words = _mm256_packs_epi32(c[0], c[1]), words2 = _mm256_packs_epi32(c[2], c[3]);
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
@@ -135,11 +139,17 @@ void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* uni
       const int32_t code = static_cast<int32_t>(std::nearbyint(xg[j] * inverse));
       cg[j] = static_cast<int8_t>(code);
       total += code;
+      if (j < kGroup / 2) first_half += code;
     }
 #endif
     unit[g] = amax / 127.f;
     code_sum[g] = unit[g] * static_cast<float>(total);
-    if (zero_sum != nullptr) zero_sum[g] = zero_point * total;
+    if (zero_sum != nullptr && halves) {
+      zero_sum[2 * g] = zero_point * first_half;
+      zero_sum[2 * g + 1] = zero_point * (total - first_half);
+    } else if (zero_sum != nullptr) {
+      zero_sum[g] = zero_point * total;
+    }
   }
 }
 
@@ -264,6 +274,9 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
 //    (four vpmaddubsw) add up in int16 and a vpmaddwd widens every two. The fifth bits are
 //    shifted to bit 4 of each byte and ORed onto the nibbles: fewer ops than 8-bit codes from
 //    4 rows of x up (no sign trick, one widening per 64 products), 62.5% of their bytes.
+//  - 6-bit codes with a scale per 16 (GGUF Q6_K, zero point 32): a pair of products is at most
+//    2 * 63 * 127, so two vpmaddubsw add up in int16 before a vpmaddwd widens them; half the ops
+//    of 8-bit codes' sign trick.
 //  - 8-bit codes: a pair of products could reach 2 * 255 * 127 and saturate, so each code
 //    is taken as s = u - 128 and multiplied as |x| by s with x's sign (at most 2 * 127 * 128,
 //    which fits), llama.cpp's trick. It needs s != -128 (no code 0), which the packing
@@ -316,7 +329,8 @@ void unpack_five_half(const uint8_t* w, int64_t groups, int64_t block, int half,
 
 // kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
 // kBytes (5-bit codes): that half's codes already as bytes in `unpacked` (unpack_five_half).
-template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, bool kBytes, typename S, typename T>
+// kSix (with kSub16): 6-bit codes 0-63 with zero point 32, zero_sum per 16 codes.
+template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, bool kBytes, bool kSix, typename S, typename T>
 void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
                int64_t block, int half, const uint8_t* unpacked = nullptr) {
@@ -326,6 +340,36 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* xg = codes + g * kGroup;
+    if constexpr (kSix) {
+      const uint8_t* wg = w + (block * groups + g) * kBlockBytes + half * 32;
+      if (half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
+        for (int line = 0; line < 8; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T0);
+      }
+      const S* dg = d + (block * groups + g) * 2 * kBlockRows + half * 8;
+      for (int h = 0; h < 2; ++h) {  // codes 0-15, then 16-31, each with its own scale
+        __m256i dot[kRows];
+        for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int j = 4 * h; j < 4 * h + 4; j += 2) {
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (j + 1) * 64));
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* xr = xg + r * in_features;
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(four_codes(xr + j * 4))),
+                                                   _mm256_maddubs_epi16(v1, _mm256_set1_epi32(four_codes(xr + j * 4 + 4))));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+        const __m256 dh = load8(dg + h * kBlockRows);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i centred = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(zero_sum[(r * groups + g) * 2 + h]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(dh, _mm256_set1_ps(unit[r * groups + g])),
+                                   acc[r]);
+        }
+      }
+      continue;
+    }
     __m256i dot[kRows], dot2[kSub16 ? kRows : 1];  // kSub16: dot of codes 0-15, dot2 of 16-31
     if constexpr (kNibbles) {
       constexpr int64_t kGroupBytes = kFive ? kFiveBlockBytes : kNibbleBlockBytes;
@@ -446,7 +490,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
 
 // All rows of x against output blocks [b0, b1): each half block's weights (a few KB) stay in
 // L1 while every tile of 4 rows of x passes over them.
-template <bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
+template <bool kNibbles, bool kIntZero, bool kSub16, bool kFive, bool kSix, typename S, typename T>
 void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                       const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                       int64_t out_features, int64_t b0, int64_t b1) {
@@ -464,9 +508,9 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
       for (int64_t m = 0; m < rows; m += kTileRows) {
         const int8_t* c = codes + m * in_features;
         const float *u = unit + m * groups, *s = code_sum + m * groups;
-        const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
+        const int32_t* z = kIntZero ? zero_sum + m * groups * (kSub16 ? 2 : 1) : nullptr;
         T* out = y + m * out_features;
-#define GEMEL_TILE_HALF(R, B) tile_half<R, kNibbles, kIntZero, kSub16, kFive, B, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, unpacked)
+#define GEMEL_TILE_HALF(R, B) tile_half<R, kNibbles, kIntZero, kSub16, kFive, B, kSix, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, unpacked)
         const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - m);
         if (unpacked != nullptr) {
           switch (tile_rows) {
@@ -497,13 +541,15 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
 // Blocks [b0, b1) of the output for all rows. kSub16: each group of 32 has two scales, one per
 // 16 codes (GGUF Q6_K), d is [blocks, groups, 2, 16], and the integer zero point is 128.
 // kFive (with kNibbles): 5-bit codes, nibbles and a plane of fifth bits (AVX2 and portable).
-template <bool kNibbles, bool kIntZero, bool kSub16, typename S, bool kFive = false, typename T>
+// With kSub16, zero_sum is per 16 codes ([rows, groups, 2]); kSix: those are 6-bit codes (AVX2
+// tiles without the sign trick; the portable loops take any codes).
+template <bool kNibbles, bool kIntZero, bool kSub16, typename S, bool kFive = false, bool kSix = false, typename T>
 void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                  const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                  int64_t out_features, int64_t b0, int64_t b1) {
   const int64_t groups = in_features / kGroup;
 #if defined(GEMEL_VNNI)
-  static_assert(!kSub16 && !kFive, "the VNNI tiles take 4- and 8-bit codes with one scale per group");
+  static_assert(!kSub16 && !kFive && !kSix, "the VNNI tiles take 4- and 8-bit codes with one scale per group");
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
     tile_rows<kTileBlocks, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
@@ -512,7 +558,7 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
     tile_rows<1, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
                                         b);
 #elif defined(GEMEL_AVX2)
-  gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
+  gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, kSix, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
 #else
   for (int64_t b = b0; b < b1; ++b) {
@@ -520,7 +566,7 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
       for (int64_t m = 0; m < rows; ++m) {
         float total = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0, centred[2] = {0, 0};  // centred: sum (u - 128) x per 16 codes (kSub16)
+          int32_t dot = 0, halves[2] = {0, 0};  // kSub16: sum u x per 16 codes
           for (int64_t k = 0; k < kGroup; ++k) {
             const int64_t vector = k / 4, lane_byte = 4 * i + k % 4;
             int32_t u;
@@ -533,12 +579,14 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
               u = w[(b * groups + g) * kBlockBytes + vector * 64 + lane_byte];
             }
             dot += u * codes[m * in_features + g * kGroup + k];
-            if constexpr (kSub16) centred[k / 16] += (u - 128) * codes[m * in_features + g * kGroup + k];
+            if constexpr (kSub16) halves[k / 16] += u * codes[m * in_features + g * kGroup + k];
           }
           if constexpr (kSub16) {
             const int64_t at = (b * groups + g) * 2 * kBlockRows + i;
-            for (int h = 0; h < 2; ++h)
-              total += static_cast<float>(centred[h]) * static_cast<float>(d[at + h * kBlockRows]) * unit[m * groups + g];
+            for (int h = 0; h < 2; ++h) {
+              const int32_t centred = halves[h] - zero_sum[(m * groups + g) * 2 + h];
+              total += static_cast<float>(centred) * static_cast<float>(d[at + h * kBlockRows]) * unit[m * groups + g];
+            }
             continue;
           }
           const int64_t at = (b * groups + g) * kBlockRows + i;
@@ -568,12 +616,12 @@ struct QuantizedRows {
   std::vector<float> unit, code_sum;
   std::vector<int32_t> zero_sum;
 
-  void resize(int64_t rows, int64_t in_features, bool zero_point) {
+  void resize(int64_t rows, int64_t in_features, bool zero_point, bool halves) {
     const int64_t groups = in_features / kGroup;
     codes.resize(rows * in_features);
     unit.resize(rows * groups);
     code_sum.resize(rows * groups);
-    zero_sum.resize(zero_point ? rows * groups : 0);
+    zero_sum.resize(zero_point ? rows * groups * (halves ? 2 : 1) : 0);
   }
 };
 
@@ -584,9 +632,9 @@ QuantizedRows& thread_scratch() {
 
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte; 5-bit codes,
 // with an integer zero point, AVX2 and portable builds: 320, the nibbles and their fifth bits); d, low:
-// [ceil(N/16), K/32, 16] float32 or both float16 (d may be [.., 32]: a scale per 16 codes, 8-bit
-// codes with zero_point 128, GGUF Q6_K; AVX2 and portable builds) (half the bytes to stream; GGUF stores its
-// scales as float16). zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
+// [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
+// scales as float16). d may be [.., 32], a scale per 16 codes (AVX2 and portable builds), with
+// 8-bit codes and zero_point 128, or 6-bit codes (0-63: GGUF Q6_K) and zero_point 32. zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
 // be 0 (the AVX2 tiles compute with u - 128 as a signed byte; pack_group_codes ensures it).
 // Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
 // the input is silu(gate) * up.
@@ -605,7 +653,9 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   TORCH_CHECK(zero_point >= 0 && zero_point <= 255, "zero_point must be in 0..255");
   TORCH_CHECK(!int_zero || low.numel() == 0, "with an integer zero point, low must be empty");
   const bool sub16 = d.dim() == 3 && d.size(2) == 2 * kBlockRows;
-  TORCH_CHECK(!sub16 || (zero_point == 128 && !nibbles), "scales per 16 codes need 8-bit codes and zero_point 128");
+  TORCH_CHECK(!sub16 || ((zero_point == 128 || zero_point == 32) && !nibbles),
+              "scales per 16 codes need 8-bit codes and zero_point 128, or 6-bit codes (0-63) and zero_point 32");
+  const bool six = sub16 && zero_point == 32;
   TORCH_CHECK(!five || int_zero, "5-bit codes need an integer zero point");
 #if defined(GEMEL_VNNI)
   TORCH_CHECK(!sub16, "scales per 16 codes are served by the AVX2 and portable builds only");
@@ -624,10 +674,10 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   const auto xc = x.contiguous();
   QuantizedRows own;
   QuantizedRows& q = rows <= kScratchRows ? thread_scratch() : own;
-  q.resize(rows, in_features, int_zero);
+  q.resize(rows, in_features, int_zero, sub16);
   auto y = at::empty({rows, out_features}, xc.options());
 #if defined(GEMEL_AVX2)
-  const int32_t dot_offset = nibbles ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
+  const int32_t dot_offset = nibbles || six ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
 #else
   const int32_t dot_offset = 0;
 #endif
@@ -643,7 +693,8 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         const scalar_t* row = xp + m * xc.size(1);
         input_row(row, gated ? row + in_features : nullptr, in_features, inputs.data());
         quantize_row(inputs.data(), in_features, qp + m * in_features, up + m * groups, sp + m * groups,
-                     static_cast<int32_t>(zero_point) - dot_offset, int_zero ? zp + m * groups : nullptr);
+                     static_cast<int32_t>(zero_point) - dot_offset, int_zero ? zp + m * groups * (sub16 ? 2 : 1) : nullptr,
+                     sub16);
       }
     });
     const uint8_t* wp = codes.data_ptr<uint8_t>();
@@ -660,6 +711,11 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         constexpr bool kNib = decltype(nibbles_tag)::value, kZero = decltype(int_zero_tag)::value;
 #if !defined(GEMEL_VNNI)
         if constexpr (!kNib && kZero) {
+          if (six) {
+            gemm_blocks<false, true, true, S, false, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features,
+                                                          out_features, b0, b1);
+            return;
+          }
           if (sub16) {
             gemm_blocks<false, true, true, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
             return;
