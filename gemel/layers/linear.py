@@ -358,8 +358,8 @@ def pack_group_codes(
     in the high ones): half the bytes to stream per step. With ``five_bit``, codes that fit in
     5 bits are stored so too, followed by a plane of their fifth bits (64 bytes per block and
     group: bit p of byte i is vector p's byte i's), 320 bytes against 512. With an integer
-    ``zero_point`` z (``w = scale * (codes - z)``: Q4_0, Q5_0, Q8_0) ``low`` is not needed and
-    comes back empty."""
+    ``zero_point`` z (``w = scale * (codes - z)``: Q4_0, Q5_0, Q6_K, Q8_0) ``low`` is not needed
+    and comes back empty."""
     out_features, in_features = codes.shape
     num_groups, blocks = in_features // 32, -(-out_features // 16)
     pad = blocks * 16 - out_features
