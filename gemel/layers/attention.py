@@ -103,31 +103,19 @@ def build_group(
     query_index, kv_slots = torch.from_numpy(query_index_np), torch.from_numpy(kv_slots_np)
     q_pos, ctx_len = torch.from_numpy(q_pos_np), torch.from_numpy(ctx_len_np)
     is_decode = max_q == 1
-    if is_decode and not masks and shared_slots is None:
-        return AttentionGroup(
-            query_index=query_index.to(device),
-            valid_rows=torch.as_tensor(valid_rows, dtype=torch.long, device=device),
-            token_rows=torch.as_tensor(token_rows, dtype=torch.long, device=device),
-            kv_slots=kv_slots.to(device),
-            mask=None,
-            sliding_mask=None,
-            is_decode=True,
-            context_lens=ctx_len.to(device),
-            sliding_window=sliding_window or 0,
-            token_slice=(int(rows_np[0]), int(rows_np.size)) if consecutive else None,
-        )
-    k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
-    qp = q_pos.unsqueeze(-1)
-    mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
-    sliding = None
-    if sliding_window is not None:
-        sliding = mask & (k_pos > qp - sliding_window)
-        sliding[..., 0] |= q_pos < 0  # padding rows attend somewhere, avoiding NaN
-        sliding = sliding.unsqueeze(1).to(device)
-    mask[..., 0] |= q_pos < 0
+    mask = sliding = None
+    if masks or not is_decode or shared_slots is not None:
+        k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
+        qp = q_pos.unsqueeze(-1)
+        mask = (k_pos <= qp) & (k_pos < ctx_len.view(batch, 1, 1))
+        if sliding_window is not None:
+            sliding = mask & (k_pos > qp - sliding_window)
+            sliding[..., 0] |= q_pos < 0  # padding rows attend somewhere, avoiding NaN
+            sliding = sliding.unsqueeze(1).to(device)
+        mask[..., 0] |= q_pos < 0
 
     def bias(m):
-        if m is None:
+        if not is_decode:
             return None
         zero = torch.zeros((), dtype=torch.float32)
         return torch.where(m, zero, float("-inf")).view(1, batch, 1, max_ctx).to(device)
@@ -137,11 +125,11 @@ def build_group(
         valid_rows=torch.as_tensor(valid_rows, dtype=torch.long, device=device),
         token_rows=torch.as_tensor(token_rows, dtype=torch.long, device=device),
         kv_slots=kv_slots.to(device),
-        mask=mask.unsqueeze(1).to(device),
+        mask=None if mask is None else mask.unsqueeze(1).to(device),
         sliding_mask=sliding,
         is_decode=is_decode,
-        bias=bias(mask[:, 0, :]) if is_decode else None,
-        sliding_bias=bias(sliding[:, 0, 0, :]) if is_decode and sliding is not None else None,
+        bias=None if mask is None else bias(mask[:, 0, :]),
+        sliding_bias=None if sliding is None else bias(sliding[:, 0, 0, :]),
         shared_slots=torch.as_tensor(shared_slots, dtype=torch.long, device=device) if shared_slots is not None else None,
         context_lens=ctx_len.to(device),
         sliding_window=sliding_window or 0,
