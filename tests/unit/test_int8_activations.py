@@ -158,6 +158,34 @@ def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_
     torch.testing.assert_close(y16.float(), expected16, atol=expected16.abs().max().item() / 128, rtol=2**-8)
 
 
+@pytest.mark.parametrize("kind", ["int4", "q4_0", "int8", "five", "sixteen"])
+def test_calls_of_many_rows_take_them_in_slabs(kind):
+    """A call of many rows takes them a slab at a time (128 KB of int8 rows: 32 rows at 4,096
+    inputs): 75 rows are two whole slabs and a tail of 11, off the 4-row tiles, and every row
+    gets the written-out arithmetic, in each code layout (4-bit with and without a zero point,
+    8-bit, Q5_0's 5-bit, Q6_K's scales per 16)."""
+    assert cpu_kernels.load()
+    if kind == "sixteen" and not cpu_kernels.serves_sub16_scales():
+        pytest.skip("the AVX512-VNNI tiles do not take scales per 16 (the AVX2 and portable builds run this)")
+    rows, out_f, in_f = 75, 40, 4096
+    if kind == "five":
+        g = torch.Generator().manual_seed(5)
+        groups = Int8Groups(torch.randint(-16, 16, (out_f, in_f), dtype=torch.int8, generator=g),
+                            torch.rand(out_f, in_f // 32, generator=g) * 0.01 + 0.001)
+    elif kind == "sixteen":
+        groups = _int8_groups_of_16(out_f, in_f, seed=16)
+    else:
+        groups = _groups(kind, out_f, in_f, seed=rows)
+    lin = _linear(groups)
+    assert lin.add_int8_activation_gemm_()
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(1))
+    y = lin(x)
+    expected = _int8_activation_product(x, groups.dequantize())
+    torch.testing.assert_close(y, expected, atol=1e-3, rtol=1e-4)
+    for first in (0, 32, 64):  # each slab as a call of its own: the same rows, bit for bit
+        assert torch.equal(lin(x[first:first + 32]), y[first:first + 32])
+
+
 def test_weight_only_kernels_keep_the_small_calls():
     """With weight_quant=checkpoint, calls of up to packed_max_rows rows keep the weight-only
     kernel (x not rounded to int8); larger ones take the int8-activation GEMM. The dense
