@@ -88,9 +88,24 @@ inline __m256 sum8x8(const __m256* v) {
 }
 #endif
 
+// The cache lines of one row (the first byte of each 64 and the last).
+inline void prefetch_bytes(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+  __builtin_prefetch(p + bytes - 1);
+}
+
+#if defined(GEMEL_ATTENTION_AVX2)
+// Keys (and values) fetched this many keys ahead by the AVX2 loops: a context lies in 16-slot
+// blocks scattered over the cache, too short a stream for the hardware prefetchers, and at
+// batch 32 the caches are most of what a decode step reads from memory.
+constexpr int64_t kAvx2AheadKeys = 16;
+#endif
+
 // scores[g * n + t] = query_g . key_t for the task's n keys (query already scaled).
+// v_cache: the values' rows, fetched ahead with the keys on AVX2 CPUs (may be null).
 template <typename T>
-inline void score_keys(const float* query, const T* k_cache, const int64_t* slots, int64_t n,
+inline void score_keys(const float* query, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t n,
                        int64_t group, int64_t head_dim, float* scores, float* row) {
 #if defined(__AVX512F__)
   if constexpr (kHasLoad16<T>) {
@@ -114,11 +129,19 @@ inline void score_keys(const float* query, const T* k_cache, const int64_t* slot
       // Eight keys against each query head at a time, one accumulator per key: eight
       // independent FMA chains keep both FMA pipes busy (a chain per key or two waits out the
       // FMA's latency at every step), and one transposing reduction yields the eight scores.
+      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) {  // the rows the loop does not fetch ahead
+        prefetch_bytes(k_cache + slots[t] * head_dim, row_bytes);
+        if (v_cache != nullptr) prefetch_bytes(v_cache + slots[t] * head_dim, row_bytes);
+      }
       int64_t t = 0;
       for (; t + 8 <= n; t += 8) {
         const T* key[8];
         for (int i = 0; i < 8; ++i) key[i] = k_cache + slots[t + i] * head_dim;
-        if (t + 8 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[t + 8] * head_dim), _MM_HINT_T0);
+        for (int64_t a = t + kAvx2AheadKeys; a < std::min(n, t + kAvx2AheadKeys + 8); ++a) {  // and the values, for the pass after this one
+          prefetch_bytes(k_cache + slots[a] * head_dim, row_bytes);
+          if (v_cache != nullptr) prefetch_bytes(v_cache + slots[a] * head_dim, row_bytes);
+        }
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query + g * head_dim;
           __m256 a[8];
@@ -236,13 +259,6 @@ inline float row_scale(const int8_t* row, int64_t head_dim) {
 // leaves the loop waiting on loads. The first rows of each task are fetched all at once
 // before its loop starts (int8 at 32 x 192: ~7% faster).
 constexpr int64_t kPrefetchKeys = 48;
-
-// The cache lines of one row (the first byte of each 64 and the last).
-inline void prefetch_bytes(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-  __builtin_prefetch(p + bytes - 1);
-}
 
 // A 68-byte int8 row can straddle two cache lines.
 inline void prefetch_row(const int8_t* row) { prefetch_bytes(row, 68); }
@@ -549,7 +565,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
       if constexpr (kInt8Cache)
         score_keys_int8(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data());
       else
-        score_keys(query.data(), k_head, slots, n, group, head_dim, scores.data(), row.data());
+        score_keys(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data(), row.data());
     }
     // Softmax per query head (unnormalised; divided out at the end).
     for (int64_t g = 0; g < group; ++g) {
