@@ -130,7 +130,7 @@ inline void score_keys(const float* query, const T* k_cache, const T* v_cache, c
       // independent FMA chains keep both FMA pipes busy (a chain per key or two waits out the
       // FMA's latency at every step), and one transposing reduction yields the eight scores.
       const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) {  // the rows the loop does not fetch ahead
+      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) {  // the first rows, which the loop does not fetch
         prefetch_bytes(k_cache + slots[t] * head_dim, row_bytes);
         if (v_cache != nullptr) prefetch_bytes(v_cache + slots[t] * head_dim, row_bytes);
       }
@@ -138,9 +138,10 @@ inline void score_keys(const float* query, const T* k_cache, const T* v_cache, c
       for (; t + 8 <= n; t += 8) {
         const T* key[8];
         for (int i = 0; i < 8; ++i) key[i] = k_cache + slots[t + i] * head_dim;
-        for (int64_t a = t + kAvx2AheadKeys; a < std::min(n, t + kAvx2AheadKeys + 8); ++a) {  // and the values, for the pass after this one
-          prefetch_bytes(k_cache + slots[a] * head_dim, row_bytes);
-          if (v_cache != nullptr) prefetch_bytes(v_cache + slots[a] * head_dim, row_bytes);
+        // the rows kAvx2AheadKeys on, and their values for the pass after this one
+        for (int64_t ahead = t + kAvx2AheadKeys; ahead < std::min(n, t + kAvx2AheadKeys + 8); ++ahead) {
+          prefetch_bytes(k_cache + slots[ahead] * head_dim, row_bytes);
+          if (v_cache != nullptr) prefetch_bytes(v_cache + slots[ahead] * head_dim, row_bytes);
         }
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query + g * head_dim;
