@@ -130,7 +130,8 @@ inline void score_keys(const float* query, const T* k_cache, const T* v_cache, c
       // independent FMA chains keep both FMA pipes busy (a chain per key or two waits out the
       // FMA's latency at every step), and one transposing reduction yields the eight scores.
       const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) {  // the first rows, which the loop does not fetch
+      // the first rows, which the loop below does not fetch ahead
+      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) {
         prefetch_bytes(k_cache + slots[t] * head_dim, row_bytes);
         if (v_cache != nullptr) prefetch_bytes(v_cache + slots[t] * head_dim, row_bytes);
       }
