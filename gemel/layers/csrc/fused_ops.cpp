@@ -250,6 +250,17 @@ void rotary_rows(const T* in, const T* cos, const T* sin, T* q_out, C* k_out, C*
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   const int64_t half = head_dim / 2, heads = num_heads + num_kv_heads;
   const int64_t row = kInt8Cache ? head_dim + 4 : head_dim;
+  if (slots != nullptr) {
+    // The cache rows written here lie anywhere in the cache and are rarely in any cache level:
+    // asked for all at once first, their misses overlap instead of stalling one store at a time.
+    const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_out + (h * num_slots + slots[t]) * row) + b, 1);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + (h * num_slots + slots[t]) * row) + b, 1);
+        }
+  }
   at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t t0, int64_t t1) {
     std::vector<float> values(kInt8Cache ? head_dim : 0);
     std::vector<T> normed(q_norm != nullptr || k_norm != nullptr ? head_dim : 0);
