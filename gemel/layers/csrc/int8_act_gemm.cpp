@@ -54,7 +54,6 @@ constexpr int64_t kBlockBytes = kBlockRows * kGroup;  // one group's codes of on
 constexpr int64_t kNibbleBlockBytes = kBlockBytes / 2;  // the same, two 4-bit codes a byte
 constexpr int64_t kFiveBlockBytes = kNibbleBlockBytes + kBlockBytes / 8;  // 5-bit: nibbles + fifth bits
 constexpr int64_t kTileRows = 4;                     // rows of x per register tile
-constexpr int64_t kSlabBytes = 128 * 1024;           // int8 rows of x taken together by a call of many rows
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
 static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
 
@@ -701,10 +700,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
     const uint8_t* wp = codes.data_ptr<uint8_t>();
     const bool half_scales = d.scalar_type() == at::kHalf;
     scalar_t* yp = y.data_ptr<scalar_t>();
-    // Threads split the output blocks in whole register tiles. Many rows (prefill) are taken a
-    // slab at a time, all of a thread's blocks per slab, so that the slab's int8 rows stay in
-    // L2 while the blocks pass over them (512 rows of a down projection's input are 768 KB).
-    const int64_t slab = std::max<int64_t>(kTileRows, (kSlabBytes / in_features) / kTileRows * kTileRows);
+    // Threads split the output blocks in whole register tiles.
     const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       const int64_t b0 = t0 * kTileBlocks, b1 = std::min(blocks, t1 * kTileBlocks);
@@ -713,36 +709,27 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         const S* dp = d.data_ptr<S>();
         const S* lp = int_zero ? nullptr : low.data_ptr<S>();
         constexpr bool kNib = decltype(nibbles_tag)::value, kZero = decltype(int_zero_tag)::value;
-        for (int64_t m0 = 0; m0 < rows; m0 += slab) {
-          const int64_t slab_rows = std::min(slab, rows - m0);
-          const int8_t* qs = qp + m0 * in_features;
-          const float *us = up + m0 * groups, *ss = sp + m0 * groups;
-          const int32_t* zs = int_zero ? zp + m0 * groups * (sub16 ? 2 : 1) : nullptr;
-          scalar_t* ys = yp + m0 * out_features;
 #if !defined(GEMEL_VNNI)
-          if constexpr (!kNib && kZero) {
-            if (six) {
-              gemm_blocks<false, true, true, S, false, true>(qs, us, ss, zs, wp, dp, lp, ys, slab_rows, in_features,
-                                                            out_features, b0, b1);
-              continue;
-            }
-            if (sub16) {
-              gemm_blocks<false, true, true, S>(qs, us, ss, zs, wp, dp, lp, ys, slab_rows, in_features, out_features, b0,
-                                                b1);
-              continue;
-            }
+        if constexpr (!kNib && kZero) {
+          if (six) {
+            gemm_blocks<false, true, true, S, false, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features,
+                                                          out_features, b0, b1);
+            return;
           }
-          if constexpr (kNib && kZero) {
-            if (five) {
-              gemm_blocks<true, true, false, S, true>(qs, us, ss, zs, wp, dp, lp, ys, slab_rows, in_features,
-                                                      out_features, b0, b1);
-              continue;
-            }
+          if (sub16) {
+            gemm_blocks<false, true, true, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
+            return;
           }
-#endif
-          gemm_blocks<kNib, kZero, false, S>(qs, us, ss, zs, wp, dp, lp, ys, slab_rows, in_features, out_features, b0,
-                                             b1);
         }
+        if constexpr (kNib && kZero) {
+          if (five) {
+            gemm_blocks<true, true, false, S, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0,
+                                                    b1);
+            return;
+          }
+        }
+#endif
+        gemm_blocks<kNib, kZero, false, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
       };
       const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
         half_scales ? run(nibbles_tag, int_zero_tag, at::Half{}) : run(nibbles_tag, int_zero_tag, float{});
