@@ -54,6 +54,14 @@ def _int8_groups_of_16(out_f: int, in_f: int, seed: int, bits: int = 6) -> Int8G
     return Int8Groups(torch.randint(1 - top, top, (out_f, in_f), dtype=torch.int8, generator=g), scale)
 
 
+def _five_bit_groups(out_f: int, in_f: int, seed: int, half: bool = False) -> Int8Groups:
+    """Q5_0-like: codes q in -16..15, w = scale * q, one scale per 32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-16, 16, (out_f, in_f), dtype=torch.int8, generator=g)
+    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.01 + 0.001
+    return Int8Groups(q, scale.half().float() if half else scale)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("out_f", [16, 40, 300])
 @pytest.mark.parametrize("bits", [6, 8])
@@ -92,11 +100,8 @@ def test_five_bit_codes_are_packed_as_nibbles_and_fifth_bits(rows, out_f, half):
     sums are widened every two steps); the AVX512-VNNI tiles take them as 8-bit codes."""
     assert cpu_kernels.load()
     in_f = 128
-    g = torch.Generator().manual_seed(rows * 31 + out_f)
-    q = torch.randint(-16, 16, (out_f, in_f), dtype=torch.int8, generator=g)
-    q[0], q[-1, :64] = 15, -16  # a row of the largest codes, and the smallest
-    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.01 + 0.001
-    groups = Int8Groups(q, scale.half().float() if half else scale)
+    groups = _five_bit_groups(out_f, in_f, seed=rows * 31 + out_f, half=half)
+    groups.q[0], groups.q[-1, :64] = 15, -16  # a row of the largest codes, and the smallest
     lin = _linear(groups)
     assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
     if cpu_kernels.serves_five_bit_codes():
@@ -112,7 +117,8 @@ def test_five_bit_codes_are_packed_as_nibbles_and_fifth_bits(rows, out_f, half):
     y16 = lin(x.bfloat16())
     expected16 = _int8_activation_product(x.bfloat16(), groups.dequantize())
     torch.testing.assert_close(y16.float(), expected16, atol=expected16.abs().max().item() / 128, rtol=2**-8)
-    gate_up = torch.randn(rows, 2 * in_f, generator=g) * 3  # a down projection's input, rounded in the kernel
+    # a down projection's input, rounded in the kernel
+    gate_up = torch.randn(rows, 2 * in_f, generator=torch.Generator().manual_seed(rows + 1)) * 3
     assert torch.equal(lin.forward_gated(gate_up), lin(torch.ops.gemel.silu_and_mul(gate_up)))
 
 
@@ -169,9 +175,7 @@ def test_calls_of_many_rows_of_long_inputs(kind):
         pytest.skip("the AVX512-VNNI tiles do not take scales per 16 (the AVX2 and portable builds run this)")
     rows, out_f, in_f = 75, 40, 4096
     if kind == "five":
-        g = torch.Generator().manual_seed(5)
-        groups = Int8Groups(torch.randint(-16, 16, (out_f, in_f), dtype=torch.int8, generator=g),
-                            torch.rand(out_f, in_f // 32, generator=g) * 0.01 + 0.001)
+        groups = _five_bit_groups(out_f, in_f, seed=5)
     elif kind == "sixteen":
         groups = _int8_groups_of_16(out_f, in_f, seed=16)
     else:

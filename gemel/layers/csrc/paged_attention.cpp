@@ -130,20 +130,18 @@ inline void score_keys(const float* query, const T* k_cache, const T* v_cache, c
       // independent FMA chains keep both FMA pipes busy (a chain per key or two waits out the
       // FMA's latency at every step), and one transposing reduction yields the eight scores.
       const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+      const auto fetch = [&](int64_t at) {  // key `at` and its value
+        prefetch_bytes(k_cache + slots[at] * head_dim, row_bytes);
+        if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * head_dim, row_bytes);
+      };
       // the first rows, which the loop below does not fetch ahead
-      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) {
-        prefetch_bytes(k_cache + slots[t] * head_dim, row_bytes);
-        if (v_cache != nullptr) prefetch_bytes(v_cache + slots[t] * head_dim, row_bytes);
-      }
+      for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) fetch(t);
       int64_t t = 0;
       for (; t + 8 <= n; t += 8) {
         const T* key[8];
         for (int i = 0; i < 8; ++i) key[i] = k_cache + slots[t + i] * head_dim;
         // the rows kAvx2AheadKeys on, and their values for the pass after this one
-        for (int64_t ahead = t + kAvx2AheadKeys; ahead < std::min(n, t + kAvx2AheadKeys + 8); ++ahead) {
-          prefetch_bytes(k_cache + slots[ahead] * head_dim, row_bytes);
-          if (v_cache != nullptr) prefetch_bytes(v_cache + slots[ahead] * head_dim, row_bytes);
-        }
+        for (int64_t ahead = t + kAvx2AheadKeys; ahead < std::min(n, t + kAvx2AheadKeys + 8); ++ahead) fetch(ahead);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query + g * head_dim;
           __m256 a[8];
