@@ -18,6 +18,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import queue
 import threading
 import time
@@ -172,6 +173,12 @@ class AsyncLLM:
         (the caller starts the reader on it). Each process gets an outbox of its own, so nothing
         queued for a dead one reaches its successor."""
         ctx = mp.get_context("spawn")
+        # PyTorch's CPU allocator backs tensors of 2 MB and more with huge pages when this is
+        # set (read once, at the child's first allocation). Without it every step's fresh
+        # logits (Gemma 3 at batch 32: 33.5 MB, past glibc's 32 MB mmap ceiling) are mapped
+        # anew and faulted in 4 KB at a time: 12 ms against 2 ms on a Zen 5 VM. Set it to 0
+        # to opt out.
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         child_in, to_engine = ctx.Pipe(duplex=False)
         conn, child_out = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(

@@ -119,6 +119,22 @@ def test_injected_fault_is_survived_with_exact_outputs(tiny_llama_dir, reference
     assert engine.restarts == ({"killed": 1} if fault.startswith("crash") else {"stall": 1})
 
 
+def test_engine_process_backs_large_tensors_with_huge_pages(tiny_llama_dir, reference, monkeypatch):
+    """PyTorch's CPU allocator is asked for huge pages in the engine process: fresh logits of
+    tens of MB are otherwise faulted in 4 KB at a time every step."""
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "unset")  # so that the test's end restores the variable's absence
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    seen: dict[bytes, bytes] = {}
+
+    async def read_environment(engine: AsyncLLM) -> None:
+        with open(f"/proc/{engine._proc.pid}/environ", "rb") as f:
+            seen.update(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+
+    _, results = asyncio.run(_serve(_config(tiny_llama_dir), RestartPolicy(max_restarts=0), during=read_environment))
+    assert results == reference
+    assert seen.get(b"THP_MEM_ALLOC_ENABLE") == b"1"
+
+
 def test_fault_injection_needs_its_environment_variable(tiny_llama_dir, reference, monkeypatch):
     monkeypatch.delenv("GEMEL_FAULT_INJECTION", raising=False)
     engine, results = asyncio.run(_serve(_config(tiny_llama_dir, fault_injection="crash_after_steps=2"), RestartPolicy()))
