@@ -122,6 +122,8 @@ def test_injected_fault_is_survived_with_exact_outputs(tiny_llama_dir, reference
 def test_engine_process_backs_large_tensors_with_huge_pages(tiny_llama_dir, reference, monkeypatch):
     """PyTorch's CPU allocator is asked for huge pages in the engine process: fresh logits of
     tens of MB are otherwise faulted in 4 KB at a time every step."""
+    if not os.path.exists("/proc/self/environ"):
+        pytest.skip("reads the engine process's environment from /proc (Linux)")
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "unset")  # so that the test's end restores the variable's absence
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     seen: dict[bytes, bytes] = {}
