@@ -63,7 +63,7 @@ def _kernel_available() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 24])
 @pytest.mark.parametrize("dim", [64, 128, 24])  # 24: not a multiple of 16, the kernel's plain C++ loops
-@pytest.mark.parametrize("group", [1, 3, 8])  # query heads per KV head
+@pytest.mark.parametrize("group", [1, 3, 4, 8])  # query heads per KV head
 @pytest.mark.parametrize("kv", ["model", "int8"])  # cache in the model's dtype, or int8 rows
 def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim, group, kv):
     """The C++ kernel reads the paged cache in place; it must give what the gather + matmul

@@ -39,14 +39,20 @@ def test_rotary_q_store_kv_rounds_as_the_pytorch_store_does():
 
 @kernels
 @pytest.mark.parametrize("window", [0, 5])
-def test_decode_and_prefill_kernels_read_float16_rows_as_the_pytorch_path(window):
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6])  # query heads per KV head
+@pytest.mark.parametrize("dim", [40, 64, 256])
+def test_decode_and_prefill_kernels_read_float16_rows_as_the_pytorch_path(window, group, dim):
     """The kernel over a float16 cache equals softmax attention on the cache's values widened
-    to float32 (decode: one query per sequence; prefill: several, causal)."""
+    to float32 (decode: one query per sequence; prefill: several, causal). The AVX2 loops
+    widen each row once for 1-4 query heads a KV head (more take the general loops), and a
+    decode's tasks ask for the next one's rows as they go: contexts of different lengths, some
+    shorter than a step of the loop."""
     torch.manual_seed(0)
-    heads, kv_heads, dim, num_slots = 6, 2, 64, 256
+    kv_heads, num_slots = 2, 256
+    heads = group * kv_heads
     k_cache = torch.randn(kv_heads, num_slots, dim).half()
     v_cache = torch.randn(kv_heads, num_slots, dim).half()
-    lens = torch.tensor([1, 17, 40])
+    lens = torch.tensor([1, 17, 40, 3, 29])
     kv_slots = torch.stack([torch.randperm(num_slots)[:40] for _ in lens])
     scale = dim**-0.5
 

@@ -7,9 +7,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace gemel {
 
@@ -23,6 +25,33 @@ inline void parallel_items(int64_t count, const F& fn) {
   }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) fn(i);
+}
+
+
+// fn(begin, end) once per thread, over contiguous ranges of [0, count) of about equal total
+// cost (cost(i) >= 0). Each thread then knows the items it runs next, so it can ask for their
+// data while it works on the current one, which items handed out one at a time do not allow.
+template <typename C, typename F>
+inline void parallel_ranges(int64_t count, const C& cost, const F& fn) {
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+  if (threads <= 1 || at::in_parallel_region()) {
+    fn(int64_t{0}, count);
+    return;
+  }
+  std::vector<double> cumulative(count + 1, 0.0);
+  for (int64_t i = 0; i < count; ++i) cumulative[i + 1] = cumulative[i] + static_cast<double>(cost(i));
+  std::vector<int64_t> bounds(threads + 1, count);
+  bounds[0] = 0;
+  for (int j = 1; j < threads; ++j) {
+    const double share = cumulative[count] * j / threads;
+    bounds[j] = std::lower_bound(cumulative.begin(), cumulative.end(), share) - cumulative.begin();
+    bounds[j] = std::max(bounds[j - 1], std::min(bounds[j], count));
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int j = omp_get_thread_num();
+    if (j < threads && bounds[j] < bounds[j + 1]) fn(bounds[j], bounds[j + 1]);
+  }
 }
 
 }  // namespace gemel
