@@ -11,7 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <array>
 
 namespace gemel {
 
@@ -27,26 +27,29 @@ inline void parallel_items(int64_t count, const F& fn) {
   for (int64_t i = 0; i < count; ++i) fn(i);
 }
 
+constexpr int64_t kMaxRangeThreads = 256;
 
 // fn(begin, end) once per thread, over contiguous ranges of [0, count) of about equal total
 // cost (cost(i) >= 0). Each thread then knows the items it runs next, so it can ask for their
 // data while it works on the current one, which items handed out one at a time do not allow.
 template <typename C, typename F>
 inline void parallel_ranges(int64_t count, const C& cost, const F& fn) {
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+  const int threads = static_cast<int>(std::min<int64_t>({at::get_num_threads(), count, kMaxRangeThreads}));
   if (threads <= 1 || at::in_parallel_region()) {
     fn(int64_t{0}, count);
     return;
   }
-  std::vector<double> cumulative(count + 1, 0.0);
-  for (int64_t i = 0; i < count; ++i) cumulative[i + 1] = cumulative[i] + static_cast<double>(cost(i));
-  std::vector<int64_t> bounds(threads + 1, count);
+  double total = 0.0;
+  for (int64_t i = 0; i < count; ++i) total += static_cast<double>(cost(i));
+  std::array<int64_t, kMaxRangeThreads + 1> bounds;  // thread j runs [bounds[j], bounds[j + 1])
   bounds[0] = 0;
+  double running = 0.0;
+  int64_t i = 0;
   for (int j = 1; j < threads; ++j) {
-    const double share = cumulative[count] * j / threads;
-    bounds[j] = std::lower_bound(cumulative.begin(), cumulative.end(), share) - cumulative.begin();
-    bounds[j] = std::max(bounds[j - 1], std::min(bounds[j], count));
+    for (const double share = total * j / threads; i < count && running < share; ++i) running += cost(i);
+    bounds[j] = i;
   }
+  bounds[threads] = count;
 #pragma omp parallel num_threads(threads)
   {
     const int j = omp_get_thread_num();
