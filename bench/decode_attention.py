@@ -1,8 +1,10 @@
 """Decode attention over the paged KV cache: the PyTorch path (gather + two batched matmuls)
 against the C++ kernel that reads the cache in place (``engine.cpu_attention_kernel``), on a
-bf16 cache and on an int8 one (``engine.kv_cache_dtype: int8``).
+bf16 cache, on an int8 one (``engine.kv_cache_dtype: int8``), and on the float16 cache under
+float32 queries that the AVX2 plan keeps (``GEMEL_CPU_ISA=avx2`` runs the AVX2 build).
 
-SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 queries, each
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 queries (float32 for the
+float16 cache), each
 sequence's context on its own shuffled 16-slot blocks of a large cache, as the block manager
 hands them out; the attention alone (the new token's k and v are taken as stored). With ``--layers 1`` every call reads the same cache, which then stays in the
 CPU's caches; the default, one cache per layer of the model (30), reads them in turn as a
@@ -48,16 +50,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     num_kv, num_heads, head_dim, block = 3, 9, 64, 16
     gen = torch.Generator().manual_seed(0)
-    caches = {"bf16": [], "int8": []}
+    caches = {"bf16": [], "int8": [], "float16": []}
     for _ in range(args.layers):
         k = torch.randn(num_kv, args.num_slots, head_dim, generator=gen)
         v = torch.randn(num_kv, args.num_slots, head_dim, generator=gen)
         caches["bf16"].append((k.bfloat16(), v.bfloat16()))
         caches["int8"].append((quantize_rows(k), quantize_rows(v)))
+        caches["float16"].append((k.half(), v.half()))
     print(f"threads {args.threads}; {num_heads} query heads, {num_kv} KV heads, head_dim {head_dim}, bf16 queries; "
           f"{args.layers} layer cache(s) of {args.num_slots} slots")
     print(f"{'batch':>5} {'context':>7} {'torch bf16 us':>13} {'kernel bf16 us':>14} {'kernel int8 us':>14} "
-          f"{'kernel/torch':>12} {'int8/bf16':>9}")
+          f"{'kernel f16 us':>13} {'kernel/torch':>12} {'int8/bf16':>9}")
     for case in args.cases.split(","):
         batch, context = (int(x) for x in case.split("x"))
         blocks = torch.randperm(args.num_slots // block, generator=gen).tolist()
@@ -71,17 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(batch, num_heads, head_dim, generator=gen).to(torch.bfloat16)
         slot_mapping = torch.tensor([c[-1] for c in contexts])
         times = []
-        for kind, kernel in (("bf16", False), ("bf16", True), ("int8", True)):
+        for kind, kernel in (("bf16", False), ("bf16", True), ("int8", True), ("float16", True)):
             meta = AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=batch, decode_kernel=kernel)
             layers = caches[kind]
+            queries = q.float() if kind == "float16" else q
 
             def call(layer: int) -> None:
-                paged_attention(q, None, None, *layers[layer], meta, 0.125)  # the step's k, v: stored already
+                paged_attention(queries, None, None, *layers[layer], meta, 0.125)  # the step's k, v: stored already
 
             with torch.inference_mode():
                 times.append(time_per_layer(call, args.layers, args.passes))
         print(f"{batch:>5} {context:>7} {times[0] * 1e6:>13.1f} {times[1] * 1e6:>14.1f} {times[2] * 1e6:>14.1f} "
-              f"{times[0] / times[1]:>11.2f}x {times[1] / times[2]:>8.2f}x")
+              f"{times[3] * 1e6:>13.1f} {times[0] / times[1]:>11.2f}x {times[1] / times[2]:>8.2f}x")
     return 0
 
 
