@@ -102,18 +102,22 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
 constexpr int64_t kAvx2AheadKeys = 16;
 #endif
 
-// The next decode task's key and value rows, asked for into L2 a few at a time while the
-// current task scores its keys (fetch(per_step) each step of its loop), so that the next task
-// finds them there. All at once at the start of a task they held the core up instead: it can
-// only have so many misses in flight (cold 296 against 165 us a layer at batch 32).
+// The next decode task's key and value rows, asked for into L2 in step with the current task's
+// scoring loop (keep_up after each step), so that the next task finds them there. All at once
+// at the start of a task they held the core up instead: it can only have so many misses in
+// flight (SmolLM2's layer at batch 32 from memory, AVX2: 296 against 165 us).
 struct NextRows {
   const char* k_head = nullptr;
   const char* v_head = nullptr;
   const int64_t* slots = nullptr;
-  int64_t n = 0, fetched = 0, row_bytes = 0, per_step = 0;
+  int64_t n = 0, fetched = 0, row_bytes = 0;
+  int64_t current = 0;  // keys of the task running now
 
-  void fetch(int64_t count) {
-    for (const int64_t end = std::min(n, fetched + count); fetched < end; ++fetched) {
+  // The current task has scored `done` of its keys: ask for as large a share of the next's.
+  void keep_up(int64_t done) { fetch_to(current > 0 ? (n * done + current - 1) / current : n); }
+
+  void fetch_to(int64_t end) {
+    for (end = std::min(n, end); fetched < end; ++fetched) {
       const char* k = k_head + slots[fetched] * row_bytes;
       const char* v = v_head + slots[fetched] * row_bytes;
       for (int64_t i = 0; i < row_bytes; i += 64) {
@@ -157,7 +161,7 @@ void score_keys_grouped(const float* query, const T* k_cache, const T* v_cache, 
     const T* key[K];
     for (int i = 0; i < K; ++i) key[i] = k_cache + slots[t + i] * head_dim;
     for (int64_t ahead = t + kAvx2AheadKeys; ahead < std::min(n, t + kAvx2AheadKeys + K); ++ahead) fetch(ahead);
-    if (next != nullptr) next->fetch(next->per_step);
+    if (next != nullptr) next->keep_up(t + K);
     __m256 a[G][K];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < K; ++i) a[g][i] = _mm256_setzero_ps();
@@ -754,29 +758,31 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
 #if defined(GEMEL_ATTENTION_AVX2)
   if (token_seq == nullptr) {
     // Decode: each thread takes a contiguous run of tasks of about equal keys and asks for the
-    // next task's rows while it works on the current one (NextRows). A task's rows lie in
+    // next task's rows while it scores the current one's (NextRows). A task's rows lie in
     // 16-slot blocks scattered over the cache, short streams the hardware prefetchers do not
     // get ahead of, and at batch 32 the caches are most of what a decode step reads: SmolLM2's
     // layer at batch 32 and 170 keys, from memory, 312 -> 165 us on a Zen 5 capped at AVX2.
-    // (Prefill tasks of one prompt share their rows, so they gain nothing from it.)
+    // (Prefill tasks of one prompt share their rows, so they gain nothing from it. The AVX-512
+    // builds' bf16 loops, which fetch 48 keys ahead, measured no faster with it on a Zen 5:
+    // 32 x 192 keys 248-315 against 240-272 us, 32 x 512 579-669 against 618-712.)
     const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
     gemel::parallel_ranges(
         batch * num_kv, [&](int64_t task) { return keys_of(task) + 16; },
         [&](int64_t begin, int64_t end) {
           NextRows next;
+          next.row_bytes = row_bytes;
           for (int64_t task = begin; task < end; ++task) {
-            next.n = 0;
+            next.n = next.fetched = 0;
+            next.current = keys_of(task);
             if (task + 1 < end) {
-              const int64_t b = (task + 1) / num_kv, h = (task + 1) % num_kv, n = keys_of(task + 1);
-              next.slots = kv_slots + b * max_ctx + context_lens[b] - n;
+              const int64_t b = (task + 1) / num_kv, h = (task + 1) % num_kv;
+              next.n = keys_of(task + 1);
+              next.slots = kv_slots + b * max_ctx + context_lens[b] - next.n;
               next.k_head = reinterpret_cast<const char*>(k_cache + h * num_slots * row_width);
               next.v_head = reinterpret_cast<const char*>(v_cache + h * num_slots * row_width);
-              next.n = n, next.fetched = 0, next.row_bytes = row_bytes;
-              const int64_t steps = std::max<int64_t>(1, keys_of(task) / 4);  // the grouped loops' steps, about
-              next.per_step = (n + steps - 1) / steps;
             }
             attend(task, &next);
-            next.fetch(next.n);  // what the task's loop did not ask for
+            next.fetch_to(next.n);  // what the task's loop did not ask for
           }
         });
     return;
