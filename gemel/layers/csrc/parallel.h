@@ -1,17 +1,18 @@
-// Work handed out one item at a time on PyTorch's OpenMP thread pool.
+// Work shared out on PyTorch's OpenMP thread pool by its cost, not by its count.
 //
 // at::parallel_for gives each thread a fixed share of the range. Where items differ in
 // size (attention tasks over contexts of different lengths), one thread then finishes early
-// and waits at the barrier; handing items out one at a time (dynamic scheduling) keeps both
-// busy to the end.
+// and waits at the barrier. parallel_items hands items out one at a time (dynamic
+// scheduling), which keeps both busy to the end; parallel_ranges gives each thread a
+// contiguous run of about equal cost, so a thread knows its next item in advance.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <array>
+#include <cstdint>
 
 namespace gemel {
 
