@@ -146,7 +146,7 @@ def run_one(url: str, label: str, conc: int, args: argparse.Namespace, seed: int
     argv = ["--base-url", url, "--label", label, "--dataset", "random", "--num-prompts", str(args.num_prompts or max(16, 4 * conc)),
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--max-concurrency", str(conc), "--request-rate", "inf", "--seed", str(seed),
-            "--vocab-size", str(args.vocab_size)]
+            "--vocab-size", str(args.vocab_size), "--temperature", str(args.temperature)]
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
     r = bench.execute(bench.build_parser().parse_args(argv))
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=bench.bounded(int, 101), default=32000, help="prompt token ids are drawn from [100, this)")
     p.add_argument("--tokenizer", default=None, help="send text prompts made with this tokenizer instead of token ids")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=bench.bounded(float, 0), default=0.0,
+                   help="sent with every request (default 0: greedy); other sampling settings stay each server's own")
     p.add_argument("--gemel-url", default=None, help="use this running gemel instead of starting one")
     p.add_argument("--gemel-pid", type=int, default=None, help="its pid, for peak RSS")
     p.add_argument("--gemel-port", type=int, default=None, help="port for the gemel it starts (default: a free one)")
@@ -291,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCPU {cpu.model} ({cpu.machine}), flags {' '.join(cpu.relevant_flags()) or '-'}; "
           f"servers run as: {'AVX2 only (--isa avx2)' if args.isa == 'avx2' else 'this CPU'}")
     print(f"model {args.model}; random dataset, {args.input_len} in / {args.output_len} out (ignore_eos), "
+          f"temperature {args.temperature:g}, "
           f"rate inf, {args.rounds} round(s), medians over rounds")
     print(format_summary(rows, rss))
     if args.json:

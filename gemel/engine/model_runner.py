@@ -217,12 +217,10 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seq.params.seed)
             # A sequence resumed after an engine restart arrives with output tokens already:
-            # draw what their sampling drew (one float32 exponential per vocabulary entry each,
-            # as the sampler does), so its next tokens are the ones an uninterrupted run samples.
-            if seq.num_output_tokens:
-                scratch = torch.empty(self.arch.vocab_size, dtype=torch.float32, device=self.device)
-                for _ in range(seq.num_output_tokens):
-                    scratch.exponential_(generator=gen)
+            # draw what their sampling drew (one uniform each, as the sampler does), so its next
+            # tokens are the ones an uninterrupted run samples.
+            for _ in range(seq.num_output_tokens):
+                Sampler.draw(gen)
             self.generators[seq.seq_id] = gen
         return gen
 
@@ -311,9 +309,9 @@ class ModelRunner:
 
     def enable_fused_ops(self) -> bool:
         """RMSNorm, SiLU-and-mul and rotary as fused C++ ops in eager steps (CPU, Llama-family
-        models; see layers/fused.py), and the C++ argmax for greedy sampling (CPU, any model).
+        models; see layers/fused.py), and the C++ argmax and sampling of tokens (CPU, any model).
         Returns whether the fused ops are on."""
-        self.sampler.cpu_argmax = self.device.type == "cpu" and cpu_kernels.load()
+        self.sampler.cpu_argmax = self.sampler.cpu_sample = self.device.type == "cpu" and cpu_kernels.load()
         supported = getattr(self.model, "supports_fused_ops", False)
         self.fused_ops = self.device.type == "cpu" and supported and cpu_kernels.load()
         return self.fused_ops

@@ -6,8 +6,8 @@ All under ``torch.ops.gemel``: decode and prefill attention that read the paged 
 (``csrc/int4_group_mm.cpp``, AVX512-VNNI), larger projections on those groups with int8
 activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI) and on bf16 weights laid out as AMX tiles
 (``csrc/amx_bf16_gemm.cpp``), and fused RMSNorm, SiLU-and-mul and rotary
-embedding for eager steps (``csrc/fused_ops.cpp``), and greedy sampling's argmax
-(``csrc/argmax.cpp``). They are compiled (one compiler process per source, in parallel) into one library
+embedding for eager steps (``csrc/fused_ops.cpp``), greedy sampling's argmax
+(``csrc/argmax.cpp``) and random sampling's draw (``csrc/sample.cpp``). They are compiled (one compiler process per source, in parallel) into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and instruction-set level, and cached
 under ``$GEMEL_KERNEL_CACHE`` (default ``~/.cache/gemel/kernels``); ``scripts/install.sh``
@@ -192,6 +192,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("gemel::argmax_rows")
     def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+    @torch.library.register_fake("gemel::sample_rows")
+    def _(logits, temperature, min_p, uniform):
         return logits.new_empty(logits.shape[0], dtype=torch.long)
 
     @torch.library.register_fake("gemel::int4_group_mm")

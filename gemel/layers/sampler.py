@@ -1,9 +1,12 @@
 """Batched sampling (SPEC F16): penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Every rule is a tensor operation over the whole batch. Randomness uses the
-"exponential race" form of sampling (argmax of p / q with q ~ Exp(1)); each seeded
-request draws its q from its own generator, so its tokens do not depend on what else is
-in the batch.
+Every rule is a tensor operation over the whole batch. A sampled token inverts the row's
+cumulative distribution at one uniform draw (the first token whose running probability passes
+it): one random number a row and step, where the "exponential race" (argmax of p / q with
+q ~ Exp(1)) draws one per vocabulary entry, which on a CPU cost more than the model's forward
+at batch 32. Each seeded request draws its number from its own generator (``draw``), so its
+tokens do not depend on what else is in the batch. On CPU the C++ kernel ``sample_rows`` does
+the whole row (softmax, min-p, the walk) in two passes over the logits.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, shared_generator: torch.Generator | None = None):
         self.shared_generator = shared_generator
-        # gemel's C++ argmax for CPU logits (torch.ops.gemel.argmax_rows, same answers);
-        # set by the model runner once the kernels are built.
+        # gemel's C++ argmax and sampling for CPU logits (torch.ops.gemel.argmax_rows and
+        # sample_rows); set by the model runner once the kernels are built.
         self.cpu_argmax = False
+        self.cpu_sample = False
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -101,16 +105,49 @@ class Sampler:
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
         return probs
 
+    @staticmethod
+    def draw(generator: torch.Generator) -> float:
+        """The one uniform number in [0, 1) a seeded row uses a step, from its generator. A
+        resumed seeded request replays its earlier steps' draws through this too."""
+        return float(torch.rand((), generator=generator, dtype=torch.float64, device=generator.device))
+
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_rows = batch.temperature < 1e-5
-        greedy_tokens = self._argmax(logits)
-        probs = self.processed_probs(logits, batch)
-        q = torch.empty_like(probs).exponential_(generator=self.shared_generator)
+        temperature = batch.temperature
+        vocab = logits.shape[-1]
+        if bool((batch.top_k < vocab).any()) or bool((batch.top_p < 1.0).any()):  # cut on the tempered logits
+            temp = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
+            logits = _top_k_top_p(logits / temp.view(-1, 1), batch.top_k, batch.top_p)
+            temperature = torch.where(greedy_rows, temperature, torch.ones_like(temperature))
+        shared = self.shared_generator
+        uniform = torch.rand(len(batch.generators), generator=shared, dtype=torch.float64,
+                             device=shared.device if shared is not None else "cpu").cpu()
         for i, gen in enumerate(batch.generators):
             if gen is not None:
-                q[i].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy_rows, greedy_tokens, sampled)
+                uniform[i] = self.draw(gen)
+        if self.cpu_sample and logits.device.type == "cpu" and logits.dim() == 2 and vocab > 0:
+            return torch.ops.gemel.sample_rows(logits.contiguous(), temperature.float(), batch.min_p.float(), uniform)
+        return _inverse_cdf(logits, temperature, batch.min_p, uniform.to(logits.device))
+
+
+def _inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """sample_rows in PyTorch ops (GPUs, or no C++ kernels): the first token whose running
+    sum of exp((logit - max) / T), min-p applied, passes ``uniform`` times the row's total;
+    greedy rows (T = 0) take the argmax."""
+    finite = torch.isfinite(logits)
+    # greedy rows, and rows torch.argmax answers by a NaN or +inf or that have no finite logit
+    greedy_rows = (temperature < 1e-5) | (logits.isnan() | logits.isposinf()).any(dim=-1) | ~finite.any(dim=-1)
+    inverse = torch.where(greedy_rows, torch.ones_like(temperature), temperature).reciprocal().view(-1, 1)
+    peak = torch.where(finite, logits, torch.finfo(logits.dtype).min).max(dim=-1, keepdim=True).values
+    weights = torch.exp(((logits - peak) * inverse).clamp(min=-104.0))
+    weights = torch.where((weights >= min_p.view(-1, 1)) & finite, weights, torch.zeros_like(weights))
+    running = weights.double().cumsum(dim=-1)
+    target = (uniform * running[:, -1]).view(-1, 1)
+    sampled = torch.searchsorted(running, target, right=True).view(-1)
+    # past the end by rounding: the row's last weight
+    positions = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
+    last = torch.where(weights > 0, positions, 0).max(dim=-1).values
+    return torch.where(greedy_rows, logits.argmax(dim=-1), torch.minimum(sampled, last))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
+import pytest
 import torch
 
-from gemel.layers.sampler import Sampler, SamplingBatch
+from gemel.layers import cpu_kernels
+from gemel.layers.sampler import Sampler, SamplingBatch, _inverse_cdf
+
+
+def _kernels() -> bool:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the PyTorch sampling path is used instead")
+    assert cpu_kernels.load(), "a C++ compiler is present but the CPU kernels did not build"
+    return True
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def make_sampler(request):
+    """Samplers on the PyTorch path and on the C++ kernel (sample_rows): each rule holds on both."""
+    kernel = request.param == "kernel" and _kernels()
+
+    def make(generator=None):
+        s = Sampler(generator)
+        s.cpu_argmax = s.cpu_sample = kernel
+        return s
+
+    return make
 
 
 def batch(n, vocab, **kw) -> SamplingBatch:
@@ -31,14 +55,14 @@ def batch(n, vocab, **kw) -> SamplingBatch:
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
 
-def test_greedy_and_top_k_1_pick_argmax():
-    s = Sampler(torch.Generator().manual_seed(0))
+def test_greedy_and_top_k_1_pick_argmax(make_sampler):
+    s = make_sampler(torch.Generator().manual_seed(0))
     assert s(LOGITS, batch(1, 5, temperature=0)).token_ids == [0]
     assert all(s(LOGITS, batch(1, 5, top_k=1)).token_ids == [0] for _ in range(20))
 
 
-def test_sampling_follows_softmax():
-    s = Sampler(torch.Generator().manual_seed(0))
+def test_sampling_follows_softmax(make_sampler):
+    s = make_sampler(torch.Generator().manual_seed(0))
     logits = LOGITS.repeat(4000, 1)
     toks = torch.tensor(s(logits, batch(4000, 5)).token_ids)
     freq = torch.bincount(toks, minlength=5).float() / 4000
@@ -47,8 +71,8 @@ def test_sampling_follows_softmax():
     assert chi2 < 18.5  # 4 degrees of freedom, p = 0.001
 
 
-def test_top_p_and_min_p_cut_the_tail():
-    s = Sampler(torch.Generator().manual_seed(0))
+def test_top_p_and_min_p_cut_the_tail(make_sampler):
+    s = make_sampler(torch.Generator().manual_seed(0))
     logits = LOGITS.repeat(2000, 1)
     p = torch.softmax(LOGITS[0], -1)
     toks = set(s(logits, batch(2000, 5, top_p=float(p[0] + 0.01))).token_ids)
@@ -57,8 +81,8 @@ def test_top_p_and_min_p_cut_the_tail():
     assert toks == {0, 1}
 
 
-def test_penalties():
-    s = Sampler()
+def test_penalties(make_sampler):
+    s = make_sampler()
     b = batch(1, 5, temperature=0, frequency=1.5)
     b.output_counts = torch.tensor([[1.0, 0, 0, 0, 0]])
     assert s(LOGITS, b).token_ids == [1]
@@ -67,8 +91,8 @@ def test_penalties():
     assert s(LOGITS, b).token_ids == [1]  # 2.0 / 3 < 1.0
 
 
-def test_seeded_rows_do_not_depend_on_neighbours():
-    s = Sampler(torch.Generator().manual_seed(0))
+def test_seeded_rows_do_not_depend_on_neighbours(make_sampler):
+    s = make_sampler(torch.Generator().manual_seed(0))
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
     solo = s(logits, batch(1, 50, generators=[torch.Generator().manual_seed(42)])).token_ids[0]
     crowd = torch.cat([torch.randn(3, 50), logits, torch.randn(2, 50)])
@@ -82,3 +106,90 @@ def test_logprobs_top_and_chosen():
     lsm = torch.log_softmax(LOGITS[0], -1)
     assert math.isclose(out.logprobs[0], float(lsm[0]), abs_tol=1e-6)
     assert [t for t, _ in out.top_logprobs[0]] == [0, 1]
+
+
+def test_temperature_sharpens_and_flattens(make_sampler):
+    """T < 1 moves mass to the top token, T > 1 away from it, in the softmax(logits / T) ratio."""
+    s = make_sampler(torch.Generator().manual_seed(1))
+    for temperature in (0.5, 2.0):
+        toks = torch.tensor(s(LOGITS.repeat(4000, 1), batch(4000, 5, temperature=temperature)).token_ids)
+        freq = torch.bincount(toks, minlength=5).float() / 4000
+        expected = torch.softmax(LOGITS[0] / temperature, -1)
+        chi2 = float((((freq - expected) ** 2) / expected).sum() * 4000)
+        assert chi2 < 18.5, (temperature, freq, expected)
+
+
+def test_sampling_reaches_tokens_across_a_long_vocabulary(make_sampler):
+    """Mass spread over tokens far apart in a 12,000-entry row (the kernel's rows are walked in
+    chunks of 2,048): each is drawn at its probability, the masked rest never."""
+    vocab = 12_000
+    picks = torch.tensor([0, 2047, 2048, 4095, 8191, 11_999])
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, picks] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5, 0.2])
+    s = make_sampler(torch.Generator().manual_seed(2))
+    n = 2000
+    toks = torch.tensor(s(logits.repeat(n, 1), batch(n, vocab)).token_ids)
+    assert set(toks.tolist()) <= set(picks.tolist())
+    freq = torch.stack([(toks == p).float().mean() for p in picks])
+    expected = torch.softmax(logits[0, picks], -1)
+    chi2 = float((((freq - expected) ** 2) / expected).sum() * n)
+    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
+
+
+def test_sampling_kernel_equals_the_pytorch_inverse_cdf():
+    """sample_rows against the same rule in PyTorch ops, with the same uniform draws, over
+    vocabularies shorter and longer than a chunk, temperatures, min-p, masked entries and
+    greedy rows: the same token, or one whose boundary the draw lies on within rounding."""
+    _kernels()
+    g = torch.Generator().manual_seed(5)
+    for vocab in (7, 2048, 2049, 49_152, 70_001):
+        rows = 24
+        logits = torch.randn(rows, vocab, generator=g) * 4
+        logits[3, : vocab // 2] = float("-inf")  # half the row masked (structured output, top-k)
+        logits[4, 1:] = float("-inf")  # one token left
+        temperature = torch.tensor([0.0, 0.3, 1.0, 1.0, 1.0, 1.7] * 4)
+        min_p = torch.tensor([0.0] * 12 + [0.05] * 6 + [0.5] * 6)
+        uniform = torch.rand(rows, generator=g, dtype=torch.float64)
+        uniform[5], uniform[6] = 0.0, 1.0 - 2**-53  # the two ends
+        got = torch.ops.gemel.sample_rows(logits, temperature, min_p, uniform)
+        want = _inverse_cdf(logits, temperature, min_p, uniform)
+        assert got[0] == logits[0].argmax() and got[4] == 0
+        for r in torch.nonzero(got != want).view(-1).tolist():
+            weights = torch.exp(((logits[r] - logits[r].max()) / temperature[r]).double())
+            weights[weights < min_p[r]] = 0
+            running = weights.cumsum(0)
+            boundary = running[min(int(got[r]), int(want[r]))]
+            assert abs(float(uniform[r] * running[-1] - boundary)) < 1e-5 * float(running[-1]), (vocab, r)
+        assert bool((got >= 0).all() and (got < vocab).all())
+        chosen = logits.gather(1, got.view(-1, 1)).view(-1)
+        assert bool(torch.isfinite(chosen).all()), "a masked token was drawn"
+
+
+def test_sampling_kernel_answers_rows_without_a_distribution_as_argmax():
+    """NaN and +inf rows get torch.argmax's token (first NaN, else first +inf); a row with no
+    finite logit its first entry; so a bad row never crashes the batch or leaves the vocabulary."""
+    _kernels()
+    logits = torch.randn(4, 3000)
+    logits[0, 1234], logits[0, 2000] = float("nan"), float("inf")
+    logits[1, 2500], logits[1, 2600] = float("inf"), float("inf")
+    logits[2] = float("-inf")
+    got = torch.ops.gemel.sample_rows(logits, torch.ones(4), torch.zeros(4), torch.full((4,), 0.5, dtype=torch.float64))
+    assert got[:3].tolist() == [1234, 2500, 0]
+    assert got[:3].tolist() == _inverse_cdf(logits, torch.ones(4), torch.zeros(4), torch.full((4,), 0.5, dtype=torch.float64))[:3].tolist()
+    assert 0 <= int(got[3]) < 3000
+
+
+def test_sampling_kernel_is_the_same_on_any_number_of_threads():
+    """Rows are summed in fixed chunks: one thread or two give the same tokens."""
+    _kernels()
+    logits = torch.randn(3, 100_000, generator=torch.Generator().manual_seed(9)) * 3
+    uniform = torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.gemel.sample_rows(logits, torch.ones(3), torch.zeros(3), uniform)
+        torch.set_num_threads(max(2, threads))
+        many = torch.ops.gemel.sample_rows(logits, torch.ones(3), torch.zeros(3), uniform)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.tolist() == many.tolist()

@@ -1,0 +1,193 @@
+// Random sampling from each row's softmax(logits / temperature), one row per sequence, with
+// min-p, by inverting the distribution's cumulative sum at one uniform draw u per row: the
+// token is the first whose running sum of exp((logit - max) / T) passes u times the row's
+// total. One uniform a row rather than one exponential per vocabulary entry (the exponential
+// race PyTorch's path uses): drawing those cost 33 ms a step for 32 rows of SmolLM2's 49,152
+// logits and 180 ms for Gemma 3's 262,144 on two threads, more than the step's forward; this
+// reads each logit twice and computes its exponential once or twice.
+//
+// A row is cut into fixed chunks (kChunk logits), so the sums and the answer do not depend on
+// the number of threads, and a single row still splits over them (batch 1). Rows with
+// temperature 0 get the greedy token (the first largest logit); a row with a NaN or +inf gets
+// torch.argmax's answer (the first NaN, else the first +inf); a row with no finite logit (all
+// masked) its first entry.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 2048;
+constexpr float kGreedyBelow = 1e-5f;  // temperatures under this are greedy (as SamplingParams)
+
+// Bit tests: the kernels are built with -ffast-math, under which the compiler may fold
+// std::isnan and std::isinf to false.
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu, kInfBits = 0x7F800000u;
+inline uint32_t magnitude_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits & kAbsMask;
+}
+inline bool is_finite(float v) { return magnitude_bits(v) < kInfBits; }
+
+struct ChunkPeak {
+  float peak;   // largest finite logit of the chunk (the lowest float where it has none)
+  bool finite;  // it has one
+  bool nan;
+  bool pos_inf;
+};
+
+ChunkPeak chunk_peak(const float* x, int64_t n) {
+  constexpr float kLowest = std::numeric_limits<float>::lowest();
+  float peak = kLowest;
+  int finite = 0, nan = 0, pos_inf = 0;
+  for (int64_t i = 0; i < n; ++i) {  // no branch, the tests on bits
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    const uint32_t m = bits & kAbsMask;
+    nan |= m > kInfBits;
+    pos_inf |= bits == kInfBits;
+    finite |= m < kInfBits;
+    peak = std::max(peak, m < kInfBits ? x[i] : kLowest);
+  }
+  return {peak, finite != 0, nan != 0, pos_inf != 0};
+}
+
+// e[i] = exp((x[i] - peak) / T), 0 below min_p (relative to the peak's 1) and for -inf logits.
+// The same function serves the chunk sums and the walk, so both see the same values.
+void chunk_weights(const float* x, int64_t n, float peak, float inv_temperature, float min_p, float* e) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = std::max((x[i] - peak) * inv_temperature, -104.f);  // exp(-104) is 0 in float32
+    const float w = std::exp(z);
+    e[i] = w >= min_p && is_finite(x[i]) ? w : 0.f;
+  }
+}
+
+int64_t first_max(const float* x, int64_t n, float peak) {
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == peak) return i;
+  return 0;
+}
+
+// A row with a NaN or +inf: torch.argmax's answer, the first NaN, else the first +inf.
+int64_t first_special(const float* x, int64_t n, bool nan) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    if (nan ? (bits & kAbsMask) > kInfBits : bits == kInfBits) return i;
+  }
+  return 0;
+}
+
+// logits [rows, vocab] float32; temperature, min_p [rows] float32; uniform [rows] float64 in
+// [0, 1) -> [rows] int64.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
+                       const at::Tensor& uniform) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sample_rows: logits float32 [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "sample_rows: empty rows");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.numel() == rows, "temperature: float32 [rows]");
+  TORCH_CHECK(min_p.scalar_type() == at::kFloat && min_p.numel() == rows, "min_p: float32 [rows]");
+  TORCH_CHECK(uniform.scalar_type() == at::kDouble && uniform.numel() == rows, "uniform: float64 [rows]");
+  const auto x = logits.contiguous();
+  const auto t = temperature.contiguous(), mp = min_p.contiguous(), u = uniform.contiguous();
+  const float* xp = x.data_ptr<float>();
+  const float *tp = t.data_ptr<float>(), *mpp = mp.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  const auto chunk_len = [&](int64_t c) { return std::min(kChunk, vocab - c * kChunk); };
+
+  // Pass 1: each chunk's largest finite logit, and whether it holds a NaN.
+  std::vector<ChunkPeak> peaks(rows * chunks);
+  at::parallel_for(0, rows * chunks, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / chunks, c = i % chunks;
+      peaks[i] = chunk_peak(xp + r * vocab + c * kChunk, chunk_len(c));
+    }
+  });
+  std::vector<ChunkPeak> row(rows, ChunkPeak{std::numeric_limits<float>::lowest(), false, false, false});
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const ChunkPeak& p = peaks[r * chunks + c];
+      row[r].peak = std::max(row[r].peak, p.peak);
+      row[r].finite |= p.finite;
+      row[r].nan |= p.nan;
+      row[r].pos_inf |= p.pos_inf;
+    }
+  }
+  const auto special = [&](int64_t r) { return row[r].nan || row[r].pos_inf; };
+  const auto sampled = [&](int64_t r) { return !special(r) && row[r].finite && tp[r] >= kGreedyBelow; };
+
+  // Pass 2: each chunk's sum of weights (float within a chunk, double across them).
+  std::vector<double> sums(rows * chunks, 0.0);
+  at::parallel_for(0, rows * chunks, 4, [&](int64_t i0, int64_t i1) {
+    float e[kChunk];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / chunks, c = i % chunks, n = chunk_len(c);
+      if (!sampled(r)) continue;
+      chunk_weights(xp + r * vocab + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], e);
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < n; ++k) s += e[k];
+      sums[i] = s;
+    }
+  });
+
+  // Pass 3: the chunk where the running sum passes u * total, then the token within it.
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    float e[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x_r = xp + r * vocab;
+      if (special(r)) {
+        op[r] = first_special(x_r, vocab, row[r].nan);
+        continue;
+      }
+      if (!sampled(r)) {  // greedy, or no finite logit (then the first entry)
+        op[r] = row[r].finite ? first_max(x_r, vocab, row[r].peak) : 0;
+        continue;
+      }
+      const double* s = sums.data() + r * chunks;
+      double total = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) total += s[c];
+      double target = up[r] * total, before = 0.0;
+      int64_t c = 0;
+      while (c + 1 < chunks && (before + s[c] <= target || s[c] == 0.0)) before += s[c++];
+      while (c > 0 && s[c] == 0.0) before -= s[--c];  // the walk ran past the last weight
+      const int64_t n = chunk_len(c);
+      chunk_weights(x_r + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], e);
+      const double residual = target - before;
+      double running = 0.0;
+      int64_t pick = -1, last = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        if (e[k] == 0.f) continue;
+        last = k;
+        running += e[k];
+        if (running > residual) {
+          pick = k;
+          break;
+        }
+      }
+      op[r] = c * kChunk + (pick >= 0 ? pick : last);  // past the end by rounding: the chunk's last weight
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gemel, m) {
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gemel, CPU, m) { m.impl("sample_rows", &sample_rows); }
