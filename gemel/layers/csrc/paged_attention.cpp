@@ -95,6 +95,15 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
   __builtin_prefetch(p + bytes - 1);
 }
 
+// Key `at` of a context and its value (none where v_cache is null), asked for ahead of use.
+template <typename T>
+inline void prefetch_key_value(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t at,
+                               int64_t head_dim) {
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+  prefetch_bytes(k_cache + slots[at] * head_dim, row_bytes);
+  if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * head_dim, row_bytes);
+}
+
 #if defined(GEMEL_ATTENTION_AVX2)
 // Keys (and values) fetched this many keys ahead by the AVX2 loops: a context lies in 16-slot
 // blocks scattered over the cache, too short a stream for the hardware prefetchers, and at
@@ -150,11 +159,7 @@ inline void store_sums(const __m256* v, float* out) {
 template <int G, int K, typename T>
 void score_keys_grouped(const float* query, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t n,
                         int64_t head_dim, float* scores, NextRows* next) {
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-  const auto fetch = [&](int64_t at) {  // key `at` and its value
-    prefetch_bytes(k_cache + slots[at] * head_dim, row_bytes);
-    if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * head_dim, row_bytes);
-  };
+  const auto fetch = [&](int64_t at) { prefetch_key_value(k_cache, v_cache, slots, at, head_dim); };
   for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) fetch(t);
   int64_t t = 0;
   for (; t + K <= n; t += K) {
@@ -282,11 +287,7 @@ inline void score_keys(const float* query, const T* k_cache, const T* v_cache, c
       // Eight keys against each query head at a time, one accumulator per key: eight
       // independent FMA chains keep both FMA pipes busy (a chain per key or two waits out the
       // FMA's latency at every step), and one transposing reduction yields the eight scores.
-      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-      const auto fetch = [&](int64_t at) {  // key `at` and its value
-        prefetch_bytes(k_cache + slots[at] * head_dim, row_bytes);
-        if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * head_dim, row_bytes);
-      };
+      const auto fetch = [&](int64_t at) { prefetch_key_value(k_cache, v_cache, slots, at, head_dim); };
       // the first rows, which the loop below does not fetch ahead
       for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) fetch(t);
       int64_t t = 0;
@@ -690,13 +691,15 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   const int64_t group = num_heads / num_kv;
   const int64_t row_width = kInt8Cache ? head_dim + 4 : head_dim;
+  const auto keys_of = [&](int64_t task) {  // the keys a task attends to: its last `window` at most
+    const int64_t len = context_lens[task / num_kv];
+    return window > 0 ? std::min(len, window) : len;
+  };
   const auto attend = [&](int64_t task, NextRows* next) {
     thread_local std::vector<float> query, acc, row, total, scores;
     query.resize(group * head_dim), acc.resize(group * head_dim), row.resize(head_dim), total.resize(group);
     const int64_t b = task / num_kv, h = task % num_kv;
-    const int64_t len = context_lens[b];
-    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t n = len - start;
+    const int64_t n = keys_of(task), start = context_lens[b] - n;
     const int64_t* slots = kv_slots + (token_seq != nullptr ? token_seq[b] : b) * max_ctx + start;
     const T* q_rows = q + (b * num_heads + h * group) * head_dim;
     T* out_rows = out + (b * num_heads + h * group) * head_dim;
@@ -750,10 +753,6 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < head_dim; ++d)
         out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);
-  };
-  const auto keys_of = [&](int64_t task) {  // the keys a task attends to
-    const int64_t len = context_lens[task / num_kv];
-    return window > 0 ? std::min(len, window) : len;
   };
 #if defined(GEMEL_ATTENTION_AVX2)
   if (token_seq == nullptr) {
