@@ -40,25 +40,25 @@ def policy(machine: FakeMachine, calls: list[int]) -> AdaptiveThreads:
                            read=lambda: machine.sample, clock=lambda: machine.t)
 
 
-def test_an_idle_machine_gives_every_core_and_a_busy_neighbour_takes_one():
+def test_every_core_from_the_start_and_a_busy_neighbour_takes_one():
     machine, calls = FakeMachine(4), []
     p = policy(machine, calls)
-    assert calls == [3] and p.threads == 3  # one core left until the machine is seen idle
-    machine.run(0.5, own=2.9, others=0.0)
+    assert calls == [4] and p.threads == 4  # an engine's first requests get every core
+    machine.run(0.5, own=2.9, others=1.0)
     p.poll()  # within the interval: nothing measured yet
-    assert calls == [3]
-    machine.run(0.5, own=2.9, others=0.1)
+    assert calls == [4]
+    machine.run(0.5, own=2.9, others=1.0)  # a busy loop beside the engine
     p.poll()
-    assert calls == [3, 4] and p.others == pytest.approx(0.05, abs=0.01)
-    machine.run(1.0, own=3.0, others=1.0)  # a busy loop starts beside the engine
-    p.poll()
-    assert calls == [3, 4, 3] and p.others == pytest.approx(1.0, abs=0.01)
+    assert calls == [4, 3] and p.others == pytest.approx(1.0, abs=0.01)
     machine.run(1.0, own=3.0, others=0.35)  # between the thresholds: no flapping
     p.poll()
-    assert calls == [3, 4, 3]
-    machine.run(1.0, own=3.0, others=0.1)
+    assert calls == [4, 3]
+    machine.run(1.0, own=3.0, others=0.1)  # the neighbour is gone
     p.poll()
-    assert calls == [3, 4, 3, 4]
+    assert calls == [4, 3, 4] and p.others == pytest.approx(0.1, abs=0.01)
+    machine.run(1.0, own=3.0, others=0.35)
+    p.poll()
+    assert calls == [4, 3, 4]
 
 
 def test_the_engines_own_processes_do_not_count_as_neighbours():
@@ -67,7 +67,7 @@ def test_the_engines_own_processes_do_not_count_as_neighbours():
     for _ in range(3):
         machine.run(1.0, own=2.0, others=0.0)  # engine and front end use every core themselves
         p.poll()
-    assert p.threads == 2 and calls == [1, 2]
+    assert p.threads == 2 and calls == [2]
 
 
 def test_a_window_that_spans_an_idle_spell_is_not_judged():
@@ -76,10 +76,10 @@ def test_a_window_that_spans_an_idle_spell_is_not_judged():
     machine.run(60.0, own=0.0, others=0.0)  # the engine sat idle (it polls only while it steps)
     machine.run(1.0, own=0.0, others=1.0)  # and a neighbour started just now
     p.poll()
-    assert calls == [1]  # a fresh window starts instead of averaging the neighbour away
+    assert calls == [2]  # a fresh window starts instead of averaging the neighbour away
     machine.run(1.0, own=1.0, others=1.0)
     p.poll()
-    assert calls == [1] and p.others == pytest.approx(1.0, abs=0.01)
+    assert calls == [2, 1] and p.others == pytest.approx(1.0, abs=0.01)
 
 
 def test_counters_from_proc_follow_this_processes_cpu_time():
@@ -121,7 +121,7 @@ def test_only_an_unset_thread_count_on_cpu_adapts():
     try:
         unset = SimpleNamespace(config=SimpleNamespace(num_threads=None), device=torch.device("cpu"))
         got = adaptive_threads(unset, os.getppid())
-        assert (got is None) if cores < 2 else (isinstance(got, AdaptiveThreads) and got.threads == cores - 1)
+        assert (got is None) if cores < 2 else (isinstance(got, AdaptiveThreads) and got.threads == cores)
         fixed = SimpleNamespace(config=SimpleNamespace(num_threads=2), device=torch.device("cpu"))
         assert adaptive_threads(fixed, os.getppid()) is None
         gpu = SimpleNamespace(config=SimpleNamespace(num_threads=None), device=torch.device("cuda"))
