@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -59,10 +60,14 @@ def read_cpu_sample(cpus: Iterable[int], pids: Iterable[int]) -> CpuSample | Non
 
 
 class AdaptiveThreads:
-    """Polled once per engine loop iteration; every ``interval_s`` it measures how many cores'
-    worth of CPU other processes used on the engine's cores and sets the thread count: ``cores``
-    at first, ``cores - 1`` once that reaches ``busy_above``, ``cores`` again once it falls under
-    ``idle_below``."""
+    """Polled once per engine loop iteration; it measures how many cores' worth of CPU other
+    processes used on the engine's cores and sets the thread count: ``cores`` at first,
+    ``cores - 1`` once a window of ``interval_s`` shows them at ``busy_above`` or more, ``cores``
+    again once they fall under ``idle_below``. Giving the core back is judged on a quarter of
+    the window: a neighbour that stops (a batch job ending, the other server of a benchmark
+    finishing its round) would otherwise leave the engine's next requests on one thread for one
+    to two seconds. Both decisions need evidence of a whole sub-window, and a neighbour between
+    the thresholds changes nothing, so the count does not flap."""
 
     def __init__(
         self,
@@ -90,31 +95,49 @@ class AdaptiveThreads:
         # (a fresh server's first burst of 32 prompts ran its first 512-token steps in 0.50-0.54 s
         # instead of 0.27-0.29 s on a 2-core Zen 5).
         self.threads = cores
-        self.others = 0.0  # cores' worth of CPU others used in the last window
+        self.others = 0.0  # cores' worth of CPU others used in the last window judged
         self._set(self.threads)
-        self._last = self._read()
-        self._last_t = clock()
+        # Samples at least a quarter window apart, the newest last, reaching back one window.
+        self._samples: deque[tuple[float, CpuSample]] = deque()
+        first = self._read()
+        if first is not None:
+            self._samples.append((clock(), first))
+
+    def _others(self, since: CpuSample, sample: CpuSample) -> float | None:
+        d_total = sample.total - since.total
+        if d_total <= 0:
+            return None
+        d_others = (sample.busy - since.busy) - (sample.own - since.own)
+        return max(0.0, d_others / d_total * self.cores)
 
     def poll(self) -> None:
         now = self._clock()
-        if now - self._last_t < self.interval_s:
+        quarter = self.interval_s / 4
+        if self._samples and now - self._samples[-1][0] < quarter:
             return
         sample = self._read()
-        if sample is None or self._last is None:
-            self._last, self._last_t = sample, now
+        if sample is None:
+            self._samples.clear()
             return
-        stale = now - self._last_t > 3 * self.interval_s  # e.g. after an idle spell: start a fresh window
-        d_total = sample.total - self._last.total
-        d_others = (sample.busy - self._last.busy) - (sample.own - self._last.own)
-        self._last, self._last_t = sample, now
-        if stale or d_total <= 0:
+        if self._samples and now - self._samples[-1][0] > 3 * self.interval_s:
+            self._samples.clear()  # e.g. after an idle spell: start fresh windows
+        if not self._samples:
+            self._samples.append((now, sample))
             return
-        self.others = max(0.0, d_others / d_total * self.cores)
+        recent = self._others(self._samples[-1][1], sample)  # the last quarter window or more
+        window = None  # the last whole window, once the samples reach back that far
+        while len(self._samples) > 1 and now - self._samples[1][0] >= self.interval_s:
+            self._samples.popleft()
+        if now - self._samples[0][0] >= self.interval_s:
+            window = self._others(self._samples[0][1], sample)
+        self._samples.append((now, sample))
         wanted = self.threads
-        if self.others >= self.busy_above:
-            wanted = self.cores - 1
-        elif self.others < self.idle_below:
-            wanted = self.cores
+        if window is not None and window >= self.busy_above:
+            wanted, self.others = self.cores - 1, window
+        elif recent is not None and recent < self.idle_below:
+            wanted, self.others = self.cores, recent
+        elif window is not None:
+            self.others = window
         if wanted != self.threads:
             log.info("engine threads %d -> %d (other processes used %.2f cores)", self.threads, wanted, self.others)
             self.threads = wanted

@@ -61,6 +61,26 @@ def test_every_core_from_the_start_and_a_busy_neighbour_takes_one():
     assert calls == [4, 3, 4]
 
 
+def test_a_neighbour_that_stops_gives_the_core_back_within_the_window():
+    """Polled every quarter window: the core comes back as soon as the last window is no longer
+    busy and the last quarter is idle, not a whole quiet window later."""
+    machine, calls = FakeMachine(2), []
+    p = policy(machine, calls)
+    for _ in range(4):
+        machine.run(0.25, own=1.0, others=1.0)
+        p.poll()
+    assert calls == [2, 1]
+    seen = []
+    for _ in range(4):  # the neighbour has stopped
+        machine.run(0.25, own=2.0, others=0.0)
+        p.poll()
+        seen.append(p.threads)
+    assert seen == [1, 1, 2, 2] and calls == [2, 1, 2]
+    machine.run(0.25, own=1.0, others=0.4)  # a light neighbour: between the thresholds at worst
+    p.poll()
+    assert calls == [2, 1, 2]
+
+
 def test_the_engines_own_processes_do_not_count_as_neighbours():
     machine, calls = FakeMachine(2), []
     p = policy(machine, calls)
