@@ -195,7 +195,7 @@ def _register_fake() -> None:
         return logits.new_empty(logits.shape[0], dtype=torch.long)
 
     @torch.library.register_fake("gemel::sample_rows")
-    def _(logits, temperature, min_p, uniform):
+    def _(logits, temperature, top_k, top_p, min_p, uniform):
         return logits.new_empty(logits.shape[0], dtype=torch.long)
 
     @torch.library.register_fake("gemel::int4_group_mm")

@@ -6,7 +6,8 @@ it): one random number a row and step, where the "exponential race" (argmax of p
 q ~ Exp(1)) draws one per vocabulary entry, which on a CPU cost more than the model's forward
 at batch 32. Each seeded request draws its number from its own generator (``draw``), so its
 tokens do not depend on what else is in the batch. On CPU the C++ kernel ``sample_rows`` does
-the whole row (softmax, min-p, the walk) in two passes over the logits.
+the whole row (top-k and top-p as a floor on the logits found without a sort, softmax, min-p,
+the walk) in two passes over the logits.
 """
 
 from __future__ import annotations
@@ -112,21 +113,22 @@ class Sampler:
         return float(torch.rand((), generator=generator, dtype=torch.float64, device=generator.device))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_rows = batch.temperature < 1e-5
-        temperature = batch.temperature
-        vocab = logits.shape[-1]
-        if bool((batch.top_k < vocab).any()) or bool((batch.top_p < 1.0).any()):  # cut on the tempered logits
-            temp = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
-            logits = _top_k_top_p(logits / temp.view(-1, 1), batch.top_k, batch.top_p)
-            temperature = torch.where(greedy_rows, temperature, torch.ones_like(temperature))
         shared = self.shared_generator
         uniform = torch.rand(len(batch.generators), generator=shared, dtype=torch.float64,
                              device=shared.device if shared is not None else "cpu").cpu()
         for i, gen in enumerate(batch.generators):
             if gen is not None:
                 uniform[i] = self.draw(gen)
+        vocab = logits.shape[-1]
         if self.cpu_sample and logits.device.type == "cpu" and logits.dim() == 2 and vocab > 0:
-            return torch.ops.gemel.sample_rows(logits.contiguous(), temperature.float(), batch.min_p.float(), uniform)
+            return torch.ops.gemel.sample_rows(logits.contiguous(), batch.temperature.float(), batch.top_k.long(),
+                                               batch.top_p.float(), batch.min_p.float(), uniform)
+        temperature = batch.temperature
+        if bool((batch.top_k < vocab).any()) or bool((batch.top_p < 1.0).any()):  # cut on the tempered logits
+            greedy_rows = temperature < 1e-5
+            temp = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
+            logits = _top_k_top_p(logits / temp.view(-1, 1), batch.top_k, batch.top_p)
+            temperature = torch.where(greedy_rows, temperature, torch.ones_like(temperature))
         return _inverse_cdf(logits, temperature, batch.min_p, uniform.to(logits.device))
 
 

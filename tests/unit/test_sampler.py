@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gemel.layers import cpu_kernels
-from gemel.layers.sampler import Sampler, SamplingBatch, _inverse_cdf
+from gemel.layers.sampler import Sampler, SamplingBatch, _inverse_cdf, _top_k_top_p
 
 
 def _kernels() -> bool:
@@ -136,10 +136,27 @@ def test_sampling_reaches_tokens_across_a_long_vocabulary(make_sampler):
     assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
 
 
-def test_sampling_kernel_equals_the_pytorch_inverse_cdf():
-    """sample_rows against the same rule in PyTorch ops, with the same uniform draws, over
-    vocabularies shorter and longer than a chunk, temperatures, min-p, masked entries and
-    greedy rows: the same token, or one whose boundary the draw lies on within rounding."""
+def _kept_weights(logits, temperature, top_k, top_p, min_p):
+    """One row's sampling weights in float64, by the rules written out: tempered, top-k, top-p
+    (a token stays while the mass strictly before it is under top_p), min-p."""
+    w = torch.exp((logits.double() - logits.max()) / temperature)
+    order = torch.argsort(logits.double(), descending=True)
+    keep = torch.zeros_like(w, dtype=torch.bool)
+    keep[order[:top_k]] = True
+    w = torch.where(keep, w, torch.zeros_like(w))
+    sorted_w = w[order]
+    before = sorted_w.cumsum(0) - sorted_w
+    cut = before >= top_p * sorted_w.sum()
+    cut[0] = False
+    w[order[cut]] = 0
+    return torch.where(w >= min_p, w, torch.zeros_like(w)), before / sorted_w.sum(), order
+
+
+def test_sampling_kernel_equals_the_rules_written_out():
+    """sample_rows against the rules in float64 with the same uniform draws, over vocabularies
+    shorter and longer than a chunk, temperatures, top-k, top-p, min-p, masked entries and greedy
+    rows: the same token, or one that only a rounding at a boundary separates (the draw lying on
+    a token's edge, or a token's mass before it lying on top_p)."""
     _kernels()
     g = torch.Generator().manual_seed(5)
     for vocab in (7, 2048, 2049, 49_152, 70_001):
@@ -149,20 +166,45 @@ def test_sampling_kernel_equals_the_pytorch_inverse_cdf():
         logits[4, 1:] = float("-inf")  # one token left
         temperature = torch.tensor([0.0, 0.3, 1.0, 1.0, 1.0, 1.7] * 4)
         min_p = torch.tensor([0.0] * 12 + [0.05] * 6 + [0.5] * 6)
+        top_k = torch.tensor([vocab] * 6 + [1, 5, 40, vocab, vocab, 3] * 2 + [vocab, 40] * 3)
+        top_p = torch.tensor([1.0] * 9 + [0.9, 0.5, 0.95] + [1.0, 0.8] * 6)
         uniform = torch.rand(rows, generator=g, dtype=torch.float64)
-        uniform[5], uniform[6] = 0.0, 1.0 - 2**-53  # the two ends
-        got = torch.ops.gemel.sample_rows(logits, temperature, min_p, uniform)
-        want = _inverse_cdf(logits, temperature, min_p, uniform)
-        assert got[0] == logits[0].argmax() and got[4] == 0
-        for r in torch.nonzero(got != want).view(-1).tolist():
-            weights = torch.exp(((logits[r] - logits[r].max()) / temperature[r]).double())
-            weights[weights < min_p[r]] = 0
-            running = weights.cumsum(0)
-            boundary = running[min(int(got[r]), int(want[r]))]
-            assert abs(float(uniform[r] * running[-1] - boundary)) < 1e-5 * float(running[-1]), (vocab, r)
-        assert bool((got >= 0).all() and (got < vocab).all())
-        chosen = logits.gather(1, got.view(-1, 1)).view(-1)
-        assert bool(torch.isfinite(chosen).all()), "a masked token was drawn"
+        uniform[5], uniform[7] = 0.0, 1.0 - 2**-53  # the two ends
+        got = torch.ops.gemel.sample_rows(logits, temperature, top_k, top_p, min_p, uniform)
+        assert got[4] == 0
+        for r in range(rows):
+            if temperature[r] == 0:  # greedy
+                assert got[r] == logits[r].argmax()
+                continue
+            if r == 4:
+                continue
+            w, before, order = _kept_weights(logits[r], float(temperature[r]), int(top_k[r]), float(top_p[r]), float(min_p[r]))
+            assert w[got[r]] > 0, f"vocab {vocab} row {r}: a cut token was drawn"
+            running = w.cumsum(0)
+            want = int(torch.searchsorted(running, uniform[r] * running[-1], right=True).clamp(max=vocab - 1))
+            if int(got[r]) == want:
+                continue
+            edge = running[min(int(got[r]), want)]
+            on_edge = abs(float(uniform[r] * running[-1] - edge)) < 1e-5 * float(running[-1])
+            on_top_p = bool(((before - float(top_p[r])).abs() < 1e-5).any())
+            assert on_edge or on_top_p, (vocab, r, int(got[r]), want)
+
+
+def test_sampling_kernel_cuts_to_top_k_and_top_p_as_the_pytorch_path():
+    """The kernel's floor from top-k and top-p keeps the tokens PyTorch's sort keeps: drawn
+    many times, each row's set of tokens is the sorted path's."""
+    _kernels()
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(1, 5000, generator=g) * 2
+    for top_k, top_p in ((7, 1.0), (5000, 0.3), (50, 0.6)):
+        n = 3000
+        b = batch(n, 5000, top_k=top_k, top_p=top_p)
+        kernel = Sampler(torch.Generator().manual_seed(0))
+        kernel.cpu_argmax = kernel.cpu_sample = True
+        got = set(kernel(logits.repeat(n, 1), b).token_ids)
+        kept = _top_k_top_p(logits, torch.tensor([top_k]), torch.tensor([top_p]))
+        allowed = set(torch.nonzero(torch.isfinite(kept[0])).view(-1).tolist())
+        assert got <= allowed and len(got) >= min(len(allowed), 3), (top_k, top_p, len(got), len(allowed))
 
 
 def test_sampling_kernel_answers_rows_without_a_distribution_as_argmax():
@@ -173,23 +215,25 @@ def test_sampling_kernel_answers_rows_without_a_distribution_as_argmax():
     logits[0, 1234], logits[0, 2000] = float("nan"), float("inf")
     logits[1, 2500], logits[1, 2600] = float("inf"), float("inf")
     logits[2] = float("-inf")
-    got = torch.ops.gemel.sample_rows(logits, torch.ones(4), torch.zeros(4), torch.full((4,), 0.5, dtype=torch.float64))
+    off_k, off_p = torch.full((4,), 3000), torch.ones(4)
+    got = torch.ops.gemel.sample_rows(logits, torch.ones(4), off_k, off_p, torch.zeros(4), torch.full((4,), 0.5, dtype=torch.float64))
     assert got[:3].tolist() == [1234, 2500, 0]
     assert got[:3].tolist() == _inverse_cdf(logits, torch.ones(4), torch.zeros(4), torch.full((4,), 0.5, dtype=torch.float64))[:3].tolist()
     assert 0 <= int(got[3]) < 3000
 
 
 def test_sampling_kernel_is_the_same_on_any_number_of_threads():
-    """Rows are summed in fixed chunks: one thread or two give the same tokens."""
+    """Rows are summed in fixed chunks: one thread or two give the same tokens (top-p on)."""
     _kernels()
     logits = torch.randn(3, 100_000, generator=torch.Generator().manual_seed(9)) * 3
     uniform = torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = torch.ops.gemel.sample_rows(logits, torch.ones(3), torch.zeros(3), uniform)
+        off_k, off_p = torch.full((3,), 100_000), torch.full((3,), 0.9)
+        one = torch.ops.gemel.sample_rows(logits, torch.ones(3), off_k, off_p, torch.zeros(3), uniform)
         torch.set_num_threads(max(2, threads))
-        many = torch.ops.gemel.sample_rows(logits, torch.ones(3), torch.zeros(3), uniform)
+        many = torch.ops.gemel.sample_rows(logits, torch.ones(3), off_k, off_p, torch.zeros(3), uniform)
     finally:
         torch.set_num_threads(threads)
     assert one.tolist() == many.tolist()
