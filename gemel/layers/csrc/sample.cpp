@@ -9,10 +9,9 @@
 // A row is cut into fixed chunks (kChunk logits), so the sums and the answer do not depend on
 // the number of threads, and a single row still splits over them (batch 1).
 //
-// Top-k and top-p become a floor on the row's logits (the k-th largest logit; the logit of the
-// token whose weight brings the running mass of the largest ones to top_p), found without
-// sorting the vocabulary: a bounded heap for top-k, and for top-p a selection over the tokens
-// heavy enough to matter. PyTorch's sort of the whole [rows, vocab] tensor took 80 ms for 32
+// Rows cut by top-k or top-p are drawn from their candidates alone, found without sorting the
+// vocabulary: the tokens at or above the k-th largest logit (a bounded heap), and for top-p a
+// selection over the tokens heavy enough to matter; one pass over the row at most. PyTorch's sort of the whole [rows, vocab] tensor took 80 ms for 32
 // rows of SmolLM2's logits and 440-500 ms for Gemma 3's. Ties at the floor are kept (vLLM's
 // top-k keeps them too). Rows with
 // temperature 0 get the greedy token (the first largest logit); a row with a NaN or +inf gets
@@ -35,6 +34,7 @@ namespace {
 
 constexpr int64_t kChunk = 2048;
 constexpr float kGreedyBelow = 1e-5f;  // temperatures under this are greedy (as SamplingParams)
+constexpr float kNoFloor = std::numeric_limits<float>::lowest();
 
 // Bit tests: the kernels are built with -ffast-math, under which the compiler may fold
 // std::isnan and std::isinf to false.
@@ -81,6 +81,12 @@ void chunk_weights(const float* x, int64_t n, float peak, float inv_temperature,
   }
 }
 
+int64_t first_max(const float* x, int64_t n, float peak) {
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == peak) return i;
+  return 0;
+}
+
 // The k-th largest finite logit of a row (k < its finite count), with a min-heap of the k
 // largest seen: most logits lose one comparison against its top.
 float kth_largest(const float* x, int64_t n, int64_t k) {
@@ -100,45 +106,81 @@ float kth_largest(const float* x, int64_t n, int64_t k) {
   return heap.empty() ? std::numeric_limits<float>::lowest() : heap.front();
 }
 
-// The top-p floor of a row: the logit of the token, in descending order, whose weight brings the
-// running mass to top_p of the total (the tokens after it are cut; PyTorch's rule, where a token
-// stays while the mass strictly before it is under top_p). Tokens lighter than a quarter of
-// (1 - top_p) / n of the total are cut whatever the others weigh (all of them together hold
-// less than the (1 - top_p) that is cut), so only the heavier ones are ordered, by selection.
-float top_p_floor(const float* x, int64_t n, float peak, float inv_temperature, float floor, float top_p) {
-  std::vector<float> e(n);
-  double total = 0.0;
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t len = std::min(kChunk, n - c);
-    chunk_weights(x + c, len, peak, inv_temperature, 0.f, floor, e.data() + c);
-    for (int64_t i = c; i < c + len; ++i) total += e[i];
-  }
-  const double light = 0.25 * (1.0 - top_p) * total / static_cast<double>(n);
-  std::vector<std::pair<float, float>> heavy;  // (weight, logit)
-  for (int64_t i = 0; i < n; ++i)
-    if (e[i] > 0.f && e[i] >= light) heavy.emplace_back(e[i], x[i]);
-  double need = top_p * total;  // mass the kept tokens must reach
-  auto lo = heavy.begin(), hi = heavy.end();  // the crossing token lies in [lo, hi)
-  while (hi - lo > 1) {
-    auto mid = lo + (hi - lo) / 2;
-    std::nth_element(lo, mid, hi, [](const auto& a, const auto& b) { return a.first > b.first; });
-    double upper = 0.0;  // mass of [lo, mid), all at least as heavy as *mid
-    for (auto it = lo; it != mid; ++it) upper += it->first;
-    if (upper >= need) {
-      hi = mid;  // the crossing is among the heavier ones
-    } else {
-      need -= upper;
-      lo = mid;
+// A token of a row cut by top-k or top-p: its weight exp((logit - peak) / T), logit, index.
+struct Candidate {
+  float weight, logit;
+  int64_t index;
+};
+
+// The row's token for a draw u when top-k or top-p cut it: its candidates (the tokens whose
+// logit is at least the k-th largest; or, with top-p alone, those heavy enough to matter),
+// then top-p's floor among them, min-p, and the walk over what stays in vocabulary order, as
+// the uncut rows' walk goes. With top-p alone, tokens lighter than a quarter of (1 - top_p) / n
+// of the total are cut whatever the others weigh (all of them together hold less than the
+// (1 - top_p) that is cut), so only the heavier ones are ordered, by selection. Top-p's rule is
+// PyTorch's: in descending order a token stays while the mass strictly before it is under
+// top_p, so the token whose weight brings the running mass to top_p is the last kept.
+int64_t sample_cut_row(const float* x, int64_t n, float peak, float inv_temperature, int64_t top_k, float top_p,
+                       float min_p, double u) {
+  std::vector<Candidate> kept;
+  double total = 0.0;  // of every token top-k keeps: what top_p is a share of
+  if (top_k > 0 && top_k < n) {
+    const float floor = kth_largest(x, n, top_k);
+    std::vector<float> logits;
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] >= floor && is_finite(x[i])) kept.push_back({0.f, x[i], i});
+    logits.reserve(kept.size());
+    for (const auto& c : kept) logits.push_back(c.logit);
+    std::vector<float> e(logits.size());
+    chunk_weights(logits.data(), static_cast<int64_t>(logits.size()), peak, inv_temperature, 0.f, floor, e.data());
+    for (size_t k = 0; k < kept.size(); ++k) {
+      kept[k].weight = e[k];
+      total += e[k];
     }
+  } else {
+    std::vector<float> e(n);
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t len = std::min(kChunk, n - c);
+      chunk_weights(x + c, len, peak, inv_temperature, 0.f, std::numeric_limits<float>::lowest(), e.data() + c);
+      for (int64_t i = c; i < c + len; ++i) total += e[i];
+    }
+    const double light = 0.25 * (1.0 - top_p) * total / static_cast<double>(n);
+    for (int64_t i = 0; i < n; ++i)
+      if (e[i] > 0.f && e[i] >= light) kept.push_back({e[i], x[i], i});
   }
-  return lo == heavy.end() ? floor : lo->second;
+  if (top_p < 1.f && !kept.empty()) {
+    double need = top_p * total;  // mass the kept tokens must reach
+    auto lo = kept.begin(), hi = kept.end();  // the crossing token lies in [lo, hi)
+    while (hi - lo > 1) {
+      auto mid = lo + (hi - lo) / 2;
+      std::nth_element(lo, mid, hi, [](const Candidate& a, const Candidate& b) { return a.weight > b.weight; });
+      double upper = 0.0;  // mass of [lo, mid), all at least as heavy as *mid
+      for (auto it = lo; it != mid; ++it) upper += it->weight;
+      if (upper >= need) {
+        hi = mid;  // the crossing is among the heavier ones
+      } else {
+        need -= upper;
+        lo = mid;
+      }
+    }
+    const float floor = lo->logit;  // ties with the crossing token stay too
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const Candidate& c) { return c.logit < floor; }), kept.end());
+  }
+  kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const Candidate& c) { return !(c.weight > 0.f && c.weight >= min_p); }),
+             kept.end());
+  if (kept.empty()) return first_max(x, n, peak);
+  std::sort(kept.begin(), kept.end(), [](const Candidate& a, const Candidate& b) { return a.index < b.index; });
+  double sum = 0.0;
+  for (const auto& c : kept) sum += c.weight;
+  const double target = u * sum;
+  double running = 0.0;
+  for (const auto& c : kept) {
+    running += c.weight;
+    if (running > target) return c.index;
+  }
+  return kept.back().index;  // past the end by rounding
 }
 
-int64_t first_max(const float* x, int64_t n, float peak) {
-  for (int64_t i = 0; i < n; ++i)
-    if (x[i] == peak) return i;
-  return 0;
-}
 
 // A row with a NaN or +inf: torch.argmax's answer, the first NaN, else the first +inf.
 int64_t first_special(const float* x, int64_t n, bool nan) {
@@ -193,16 +235,16 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   const auto special = [&](int64_t r) { return row[r].nan || row[r].pos_inf; };
   const auto sampled = [&](int64_t r) { return !special(r) && row[r].finite && tp[r] >= kGreedyBelow; };
 
-  // Each sampled row's floor on logits from top-k, then top-p over what top-k keeps.
-  std::vector<float> floor(rows, std::numeric_limits<float>::lowest());
+  // Rows cut by top-k or top-p: their token from their candidates alone (sample_cut_row).
+  const auto cut = [&](int64_t r) { return (top_kp[r] > 0 && top_kp[r] < vocab) || top_pp[r] < 1.f; };
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (!sampled(r)) continue;
-      const float* x_r = xp + r * vocab;
-      if (top_kp[r] > 0 && top_kp[r] < vocab) floor[r] = kth_largest(x_r, vocab, top_kp[r]);
-      if (top_pp[r] < 1.f) floor[r] = std::max(floor[r], top_p_floor(x_r, vocab, row[r].peak, 1.f / tp[r], floor[r], top_pp[r]));
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      if (sampled(r) && cut(r))
+        op[r] = sample_cut_row(xp + r * vocab, vocab, row[r].peak, 1.f / tp[r], top_kp[r], top_pp[r], mpp[r], up[r]);
   });
+  const auto walked = [&](int64_t r) { return sampled(r) && !cut(r); };
 
   // Pass 2: each chunk's sum of weights (float within a chunk, double across them).
   std::vector<double> sums(rows * chunks, 0.0);
@@ -210,8 +252,8 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
     float e[kChunk];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / chunks, c = i % chunks, n = chunk_len(c);
-      if (!sampled(r)) continue;
-      chunk_weights(xp + r * vocab + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], floor[r], e);
+      if (!walked(r)) continue;
+      chunk_weights(xp + r * vocab + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], kNoFloor, e);
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t k = 0; k < n; ++k) s += e[k];
@@ -220,8 +262,6 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   });
 
   // Pass 3: the chunk where the running sum passes u * total, then the token within it.
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     float e[kChunk];
     for (int64_t r = r0; r < r1; ++r) {
@@ -234,6 +274,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
         op[r] = row[r].finite ? first_max(x_r, vocab, row[r].peak) : 0;
         continue;
       }
+      if (!walked(r)) continue;  // cut: answered above
       const double* s = sums.data() + r * chunks;
       double total = 0.0;
       for (int64_t c = 0; c < chunks; ++c) total += s[c];
@@ -242,7 +283,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
       while (c + 1 < chunks && (before + s[c] <= target || s[c] == 0.0)) before += s[c++];
       while (c > 0 && s[c] == 0.0) before -= s[--c];  // the walk ran past the last weight
       const int64_t n = chunk_len(c);
-      chunk_weights(x_r + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], floor[r], e);
+      chunk_weights(x_r + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], kNoFloor, e);
       const double residual = target - before;
       double running = 0.0;
       int64_t pick = -1, last = 0;
