@@ -34,7 +34,6 @@ namespace {
 
 constexpr int64_t kChunk = 2048;
 constexpr float kGreedyBelow = 1e-5f;  // temperatures under this are greedy (as SamplingParams)
-constexpr float kNoFloor = std::numeric_limits<float>::lowest();
 
 // Bit tests: the kernels are built with -ffast-math, under which the compiler may fold
 // std::isnan and std::isinf to false.
@@ -69,15 +68,14 @@ ChunkPeak chunk_peak(const float* x, int64_t n) {
   return {peak, finite != 0, nan != 0, pos_inf != 0};
 }
 
-// e[i] = exp((x[i] - peak) / T); 0 below min_p (relative to the peak's 1), for logits under
-// `floor` (top-k, top-p) and for -inf logits. The same function serves the chunk sums and the
-// walk, so both see the same values.
-void chunk_weights(const float* x, int64_t n, float peak, float inv_temperature, float min_p, float floor, float* e) {
+// e[i] = exp((x[i] - peak) / T); 0 below min_p (relative to the peak's 1) and for -inf logits.
+// The same function serves the chunk sums and the walk, so both see the same values.
+void chunk_weights(const float* x, int64_t n, float peak, float inv_temperature, float min_p, float* e) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float z = std::max((x[i] - peak) * inv_temperature, -104.f);  // exp(-104) is 0 in float32
     const float w = std::exp(z);
-    e[i] = w >= min_p && x[i] >= floor && is_finite(x[i]) ? w : 0.f;
+    e[i] = w >= min_p && is_finite(x[i]) ? w : 0.f;
   }
 }
 
@@ -127,12 +125,14 @@ int64_t sample_cut_row(const float* x, int64_t n, float peak, float inv_temperat
   if (top_k > 0 && top_k < n) {
     const float floor = kth_largest(x, n, top_k);
     std::vector<float> logits;
-    for (int64_t i = 0; i < n; ++i)
-      if (x[i] >= floor && is_finite(x[i])) kept.push_back({0.f, x[i], i});
-    logits.reserve(kept.size());
-    for (const auto& c : kept) logits.push_back(c.logit);
+    for (int64_t i = 0; i < n; ++i) {
+      if (x[i] >= floor && is_finite(x[i])) {
+        kept.push_back({0.f, x[i], i});
+        logits.push_back(x[i]);
+      }
+    }
     std::vector<float> e(logits.size());
-    chunk_weights(logits.data(), static_cast<int64_t>(logits.size()), peak, inv_temperature, 0.f, floor, e.data());
+    chunk_weights(logits.data(), static_cast<int64_t>(logits.size()), peak, inv_temperature, 0.f, e.data());
     for (size_t k = 0; k < kept.size(); ++k) {
       kept[k].weight = e[k];
       total += e[k];
@@ -141,7 +141,7 @@ int64_t sample_cut_row(const float* x, int64_t n, float peak, float inv_temperat
     std::vector<float> e(n);
     for (int64_t c = 0; c < n; c += kChunk) {
       const int64_t len = std::min(kChunk, n - c);
-      chunk_weights(x + c, len, peak, inv_temperature, 0.f, std::numeric_limits<float>::lowest(), e.data() + c);
+      chunk_weights(x + c, len, peak, inv_temperature, 0.f, e.data() + c);
       for (int64_t i = c; i < c + len; ++i) total += e[i];
     }
     const double light = 0.25 * (1.0 - top_p) * total / static_cast<double>(n);
@@ -253,7 +253,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / chunks, c = i % chunks, n = chunk_len(c);
       if (!walked(r)) continue;
-      chunk_weights(xp + r * vocab + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], kNoFloor, e);
+      chunk_weights(xp + r * vocab + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], e);
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t k = 0; k < n; ++k) s += e[k];
@@ -283,7 +283,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
       while (c + 1 < chunks && (before + s[c] <= target || s[c] == 0.0)) before += s[c++];
       while (c > 0 && s[c] == 0.0) before -= s[--c];  // the walk ran past the last weight
       const int64_t n = chunk_len(c);
-      chunk_weights(x_r + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], kNoFloor, e);
+      chunk_weights(x_r + c * kChunk, n, row[r].peak, 1.f / tp[r], mpp[r], e);
       const double residual = target - before;
       double running = 0.0;
       int64_t pick = -1, last = 0;
