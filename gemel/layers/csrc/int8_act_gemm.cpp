@@ -351,16 +351,15 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
       const S* dg = d + (block * groups + g) * 2 * kBlockRows + half * 8;
       for (int h = 0; h < 2; ++h) {  // codes 0-15, then 16-31, each with its own scale
         __m256i dot[kRows];
-        for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-        for (int j = 4 * h; j < 4 * h + 4; j += 2) {
+        for (int j = 4 * h; j < 4 * h + 4; j += 2) {  // the first pair of steps starts dot
           const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
           const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (j + 1) * 64));
           for (int r = 0; r < kRows; ++r) {
             const int8_t* xr = xg + r * in_features;
             const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(four_codes(xr + j * 4))),
                                                    _mm256_maddubs_epi16(v1, _mm256_set1_epi32(four_codes(xr + j * 4 + 4))));
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+            const __m256i sums = _mm256_madd_epi16(pairs, ones);
+            dot[r] = j == 4 * h ? sums : _mm256_add_epi32(dot[r], sums);
           }
         }
         const __m256 dh = load8(dg + h * kBlockRows);
@@ -378,7 +377,6 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
       const uint8_t* wg = w + (block * groups + g) * kGroupBytes + half * 32;
       const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
       __m256i sum16[kRows];
-      for (int r = 0; r < kRows; ++r) sum16[r] = dot[r] = _mm256_setzero_si256();
       if (!kBytes && half == 0 && kRows <= 2) {  // a decode step streams the weights: into L2 ahead of use
         for (int line = 0; line < kGroupBytes / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T1);
@@ -392,10 +390,9 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
         fifth_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kNibbleBlockBytes));
         fifth_lo = _mm256_slli_epi16(fifth_hi, 4);
       }
-      // Not unrolled: unrolled, GCC hoists every vpmaddubsw of the group ahead of the adds and
-      // spills their results to the stack (about half the speed at 32 rows).
-#pragma GCC unroll 1
-      for (int j = 0; j < kGroup / 8; ++j) {
+      // One step: codes 4j..4j+3 and 4j+16..4j+19 of every row. `fresh`: sum16 holds nothing yet,
+      // so the step's products become it (one vpaddw a row fewer than adding them to zero).
+      const auto step = [&](int j, auto fresh) {
         __m256i lo, hi;
         if constexpr (kBytes) {
           lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + j * 32));
@@ -415,12 +412,30 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
           const int8_t* xr = xg + r * in_features;
           const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_codes(xr + j * 4)));
           const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_codes(xr + (j + 4) * 4)));
-          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(a, b));
-          if (kFive && (j & 1)) {  // two steps' 5-bit products are as much as int16 holds
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sum16[r], ones));
-            sum16[r] = _mm256_setzero_si256();
+          if constexpr (decltype(fresh)::value) {
+            sum16[r] = _mm256_add_epi16(a, b);
+          } else {
+            sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(a, b));
           }
         }
+      };
+      using Fresh = std::true_type;
+      using Adding = std::false_type;
+      if constexpr (kFive) {  // two steps' 5-bit products are as much as int16 holds
+        for (int j = 0; j < kGroup / 8; j += 2) {
+          step(j, Fresh{});
+          step(j + 1, Adding{});
+          for (int r = 0; r < kRows; ++r) {
+            const __m256i sums = _mm256_madd_epi16(sum16[r], ones);
+            dot[r] = j == 0 ? sums : _mm256_add_epi32(dot[r], sums);
+          }
+        }
+      } else {
+        step(0, Fresh{});
+        // Not unrolled: unrolled, GCC hoists every vpmaddubsw of the group ahead of the adds and
+        // spills their results to the stack (about half the speed at 32 rows).
+#pragma GCC unroll 1
+        for (int j = 1; j < kGroup / 8; ++j) step(j, Adding{});
       }
       if constexpr (!kFive) {
         for (int r = 0; r < kRows; ++r) dot[r] = _mm256_madd_epi16(sum16[r], ones);
@@ -432,22 +447,35 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T0);
       }
       const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-      for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int j = 0; j < kGroup / 4; ++j) {
-        if (kSub16 && j == kGroup / 8) {  // the second sub-block of 16 codes: its own sums
-          for (int r = 0; r < kRows; ++r) {
-            dot2[r] = dot[r];
-            dot[r] = _mm256_setzero_si256();
-          }
-        }
+      // One step: codes 4j..4j+3 of every row. `fresh`: the step's sums start dot (one add a row
+      // fewer than adding them to zero).
+      const auto step = [&](int j, auto fresh) {
         const __m256i s = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64)), flip);
         const __m256i magnitude = _mm256_abs_epi8(s);  // once for all rows: x takes s's sign instead
         for (int r = 0; r < kRows; ++r) {
           const __m256i xv = _mm256_set1_epi32(four_codes(xg + r * in_features + j * 4));
-          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, s));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+          const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, s)), ones);
+          if constexpr (decltype(fresh)::value) {
+            dot[r] = sums;
+          } else {
+            dot[r] = _mm256_add_epi32(dot[r], sums);
+          }
         }
+      };
+      using Fresh = std::true_type;
+      using Adding = std::false_type;
+      if constexpr (kSub16) {  // codes 0-15 and 16-31 have their own scales: their own sums
+        step(0, Fresh{});
+#pragma GCC unroll 3
+        for (int j = 1; j < kGroup / 8; ++j) step(j, Adding{});
+        for (int r = 0; r < kRows; ++r) dot2[r] = dot[r];
+        step(kGroup / 8, Fresh{});
+#pragma GCC unroll 3
+        for (int j = kGroup / 8 + 1; j < kGroup / 4; ++j) step(j, Adding{});
+      } else {
+        step(0, Fresh{});
+#pragma GCC unroll 4
+        for (int j = 1; j < kGroup / 4; ++j) step(j, Adding{});
       }
     }
     if constexpr (kSub16) {  // zero point 128 (checked by the caller): the dots are already centred
