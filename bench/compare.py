@@ -14,7 +14,11 @@ for both and the ratios gemel/peer, plus each server's peak RSS (VmHWM over its 
 Every round uses its own seed, shared by both servers, so the two see the same prompts but no
 round hits a prefix cache filled by an earlier one. The peer is started with as many slots as the
 concurrency (``-np C -cb -c C*512 -t 2``), restarted for each concurrency level unless
-``--peer-url`` is given. The machine drifts, so only ratios from one run mean much.
+``--peer-url`` is given. The machine drifts, so only ratios from one run mean much. Each run
+starts after ``--settle`` seconds of quiet (default 1.5): gemel's engine gives up a core while
+another process keeps one busy and takes it back a quarter second after it stops, so a run
+started the moment the other server's run ends would begin on one thread (its first prompts'
+TTFT then measures the benchmark's alternation, not the server).
 """
 
 from __future__ import annotations
@@ -202,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="GGUF file served by both (default: the packaged SmolLM2)")
     p.add_argument("--concurrency", type=positive, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=positive, default=1, help="gemel/peer alternations per concurrency")
+    p.add_argument("--settle", type=bench.bounded(float, 0), default=1.5,
+                   help="seconds of quiet before each run, so that neither server starts its run beside the other's tail")
     p.add_argument("--num-prompts", type=positive, default=None, help="per run (default: max(16, 4 x concurrency))")
     p.add_argument("--input-len", type=positive, default=128)
     p.add_argument("--output-len", type=positive, default=128)
@@ -266,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed = args.seed + 1000 * ci + r
                 for name in names:
                     url = gemel_url if name == "gemel" else peer_url
+                    time.sleep(args.settle)
                     by_server[name].append(run_one(url, name, conc, args, seed))
                     srv = gemel if name == "gemel" else peer
                     if srv:
