@@ -338,6 +338,8 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
                int64_t block, int half, const uint8_t* unpacked = nullptr) {
   const int64_t groups = in_features / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
+  using Fresh = std::true_type;  // a step whose sums start the group's (see `step` below)
+  using Adding = std::false_type;
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -419,8 +421,6 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
           }
         }
       };
-      using Fresh = std::true_type;
-      using Adding = std::false_type;
       if constexpr (kFive) {  // two steps' 5-bit products are as much as int16 holds
         for (int j = 0; j < kGroup / 8; j += 2) {
           step(j, Fresh{});
@@ -462,8 +462,6 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
           }
         }
       };
-      using Fresh = std::true_type;
-      using Adding = std::false_type;
       if constexpr (kSub16) {  // codes 0-15 and 16-31 have their own scales: their own sums
         step(0, Fresh{});
 #pragma GCC unroll 3
