@@ -61,15 +61,15 @@ def has_amx() -> bool:
 
 
 def serves_sub16_scales() -> bool:
-    """Whether the loaded int8_act_gemm takes a scale per 16 codes (GGUF Q6_K): the AVX2 and
-    portable builds do; the AVX512-VNNI tiles take one scale per group of 32."""
-    return load() and "avx512vnni" not in torch.ops.gemel.kernel_isa().split()
+    """Whether the loaded int8_act_gemm takes a scale per 16 codes (GGUF Q6_K): every build
+    does, whenever the kernels load."""
+    return load()
 
 
 def serves_five_bit_codes() -> bool:
     """Whether the loaded int8_act_gemm takes 5-bit codes (GGUF Q5_0) as nibbles plus a plane
     of fifth bits: the AVX2 and portable builds do; the AVX512-VNNI tiles take them as bytes."""
-    return serves_sub16_scales()
+    return load() and "avx512vnni" not in torch.ops.gemel.kernel_isa().split()
 
 
 def amx_tiles_available() -> bool:

@@ -70,15 +70,13 @@ def test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them(rows, 
     them on int8_act_gemm, to the written-out arithmetic, 6-bit codes as 0-63 with zero point 32
     (the AVX2 tiles then multiply without the sign trick; the row of largest codes against the
     largest x checks their int16 sums) and wider ones with zero point 128; the AVX512-VNNI tiles
-    do not take them and the projection stays on its other paths."""
+    sum and scale each half of a group on its own."""
     assert cpu_kernels.load()
     in_f = 96
     groups = _int8_groups_of_16(out_f, in_f, seed=rows * 7 + out_f, bits=bits)
     groups.q[0] = 2 ** (bits - 1) - 1
     lin = _linear(groups)
-    if not cpu_kernels.serves_sub16_scales():
-        assert not lin.add_int8_activation_gemm_() and lin.int8_act_out_features == 0
-        return
+    assert cpu_kernels.serves_sub16_scales()
     assert lin.add_int8_activation_gemm_() and lin.act_scale.shape[-1] == 32
     assert lin.int8_act_zero_point == (32 if bits == 6 else 128)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
@@ -171,8 +169,6 @@ def test_calls_of_many_rows_of_long_inputs(kind):
     every row gets the written-out arithmetic, and its result does not depend on the other
     rows of the call (any 32 of them as a call of their own: the same values, bit for bit)."""
     assert cpu_kernels.load()
-    if kind == "sixteen" and not cpu_kernels.serves_sub16_scales():
-        pytest.skip("the AVX512-VNNI tiles do not take scales per 16 (the AVX2 and portable builds run this)")
     rows, out_f, in_f = 75, 40, 4096
     if kind == "five":
         groups = _five_bit_groups(out_f, in_f, seed=5)

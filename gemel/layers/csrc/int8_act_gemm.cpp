@@ -168,57 +168,66 @@ inline __m512 load16(const at::Half* p) {
 // kRows rows of x against kBlocks blocks of 16 outputs, over all groups. kIntZero: the weights
 // are w = d * (u - z) with an integer z (Q8_0: 128, Q4_0: 8), and z * sum(x codes) comes off
 // the integer dot product itself, one floating-point op less per group than `low`'s FMA.
-template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, typename S, typename T>
+// kSub16 (8-bit codes, kIntZero): a scale per 16 codes (GGUF Q6_K), d [blocks, groups, 2, 16]
+// and zero_sum per 16 codes: each half of a group is summed and scaled on its own.
+template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void tile(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum, const uint8_t* w,
           const S* d, const S* low, T* y, int64_t in_features, int64_t out_features, int64_t block) {
+  static_assert(!kSub16 || (kIntZero && !kNibbles), "scales per 16 codes come with 8-bit codes and a zero point");
+  constexpr int kHalves = kSub16 ? 2 : 1;
+  constexpr int kSteps = (kNibbles ? kGroup / 8 : kGroup / 4) / kHalves;  // steps of 4 codes (a lane) per scale
   const int64_t groups = in_features / kGroup;
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kBlocks; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[kRows][kBlocks];
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_setzero_si512();
-    constexpr int64_t kBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
-    for (int j = 0; j < (kNibbles ? kGroup / 8 : kGroup / 4); ++j) {
-      __m512i wv[kBlocks], wh[kBlocks];
+    for (int h = 0; h < kHalves; ++h) {
+      __m512i dot[kRows][kBlocks];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_setzero_si512();
+      constexpr int64_t kBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
+      for (int j = h * kSteps; j < (h + 1) * kSteps; ++j) {
+        __m512i wv[kBlocks], wh[kBlocks];
+        for (int c = 0; c < kBlocks; ++c) {
+          const __m512i v = _mm512_loadu_si512(w + ((block + c) * groups + g) * kBytes + j * 64);
+          if constexpr (kNibbles) {
+            const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+            wv[c] = _mm512_and_si512(v, low_nibbles);
+            wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+          } else {
+            wv[c] = v;
+          }
+        }
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* xr = codes + r * in_features + g * kGroup;
+          int32_t four;
+          std::memcpy(&four, xr + j * 4, 4);
+          const __m512i xv = _mm512_set1_epi32(four);
+          for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wv[c], xv);
+          if constexpr (kNibbles) {
+            std::memcpy(&four, xr + (j + 4) * 4, 4);
+            const __m512i xh = _mm512_set1_epi32(four);
+            for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wh[c], xh);
+          }
+        }
+      }
       for (int c = 0; c < kBlocks; ++c) {
-        const __m512i v = _mm512_loadu_si512(w + ((block + c) * groups + g) * kBytes + j * 64);
-        if constexpr (kNibbles) {
-          const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-          wv[c] = _mm512_and_si512(v, low_nibbles);
-          wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+        const int64_t at = ((block + c) * groups + g) * kHalves * kBlockRows + h * kBlockRows;
+        const __m512 dv = load16(d + at);
+        if constexpr (kIntZero) {
+          for (int r = 0; r < kRows; ++r) {
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
+            const __m512i centred =
+                _mm512_sub_epi32(dot[r][c], _mm512_set1_epi32(zero_sum[(r * groups + g) * kHalves + h]));
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[r][c]);
+          }
         } else {
-          wv[c] = v;
-        }
-      }
-      for (int r = 0; r < kRows; ++r) {
-        const int8_t* xr = codes + r * in_features + g * kGroup;
-        int32_t four;
-        std::memcpy(&four, xr + j * 4, 4);
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wv[c], xv);
-        if constexpr (kNibbles) {
-          std::memcpy(&four, xr + (j + 4) * 4, 4);
-          const __m512i xh = _mm512_set1_epi32(four);
-          for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wh[c], xh);
-        }
-      }
-    }
-    for (int c = 0; c < kBlocks; ++c) {
-      const __m512 dv = load16(d + ((block + c) * groups + g) * kBlockRows);
-      if constexpr (kIntZero) {
-        for (int r = 0; r < kRows; ++r) {
-          const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
-          const __m512i centred = _mm512_sub_epi32(dot[r][c], _mm512_set1_epi32(zero_sum[r * groups + g]));
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[r][c]);
-        }
-      } else {
-        const __m512 lv = load16(low + ((block + c) * groups + g) * kBlockRows);
-        for (int r = 0; r < kRows; ++r) {
-          const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(lv, _mm512_set1_ps(code_sum[r * groups + g]), acc[r][c]);
+          const __m512 lv = load16(low + at);
+          for (int r = 0; r < kRows; ++r) {
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(unit[r * groups + g]));
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
+            acc[r][c] = _mm512_fmadd_ps(lv, _mm512_set1_ps(code_sum[r * groups + g]), acc[r][c]);
+          }
         }
       }
     }
@@ -243,7 +252,7 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
   }
 }
 
-template <int kBlocks, bool kNibbles, bool kIntZero, typename S, typename T>
+template <int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                int64_t out_features, int64_t block) {
@@ -251,14 +260,17 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
   for (int64_t m = 0; m < rows; m += kTileRows) {
     const int8_t* c = codes + m * in_features;
     const float *u = unit + m * groups, *s = code_sum + m * groups;
-    const int32_t* z = kIntZero ? zero_sum + m * groups : nullptr;
+    const int32_t* z = kIntZero ? zero_sum + m * groups * (kSub16 ? 2 : 1) : nullptr;
     T* out = y + m * out_features;
+#define GEMEL_VNNI_TILE(R) \
+  tile<R, kBlocks, kNibbles, kIntZero, kSub16, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block)
     switch (std::min<int64_t>(kTileRows, rows - m)) {
-      case 1: tile<1, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
-      case 2: tile<2, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
-      case 3: tile<3, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
-      default: tile<kTileRows, kBlocks, kNibbles, kIntZero, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block); break;
+      case 1: GEMEL_VNNI_TILE(1); break;
+      case 2: GEMEL_VNNI_TILE(2); break;
+      case 3: GEMEL_VNNI_TILE(3); break;
+      default: GEMEL_VNNI_TILE(kTileRows); break;
     }
+#undef GEMEL_VNNI_TILE
   }
 }
 #endif
@@ -592,14 +604,16 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
                  int64_t out_features, int64_t b0, int64_t b1) {
   const int64_t groups = in_features / kGroup;
 #if defined(GEMEL_VNNI)
-  static_assert(!kSub16 && !kFive && !kSix, "the VNNI tiles take 4- and 8-bit codes with one scale per group");
+  // 6-bit codes (kSix) are bytes to the VNNI tiles like any others, their zero point 32 taken
+  // off the integer sums; 5-bit codes are stored as bytes for these tiles (pack_group_codes).
+  static_assert(!kFive, "the VNNI tiles take 4- and 8-bit codes");
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
-    tile_rows<kTileBlocks, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
-                                                  out_features, b);
+    tile_rows<kTileBlocks, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
+                                                          in_features, out_features, b);
   for (; b < b1; ++b)
-    tile_rows<1, kNibbles, kIntZero, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features,
-                                        b);
+    tile_rows<1, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
+                                                out_features, b);
 #elif defined(GEMEL_AVX2)
   gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, kSix, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
@@ -676,7 +690,7 @@ QuantizedRows& thread_scratch() {
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte; 5-bit codes,
 // with an integer zero point, AVX2 and portable builds: 320, the nibbles and their fifth bits); d, low:
 // [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
-// scales as float16). d may be [.., 32], a scale per 16 codes (AVX2 and portable builds), with
+// scales as float16). d may be [.., 32], a scale per 16 codes (GGUF Q6_K), with
 // 8-bit codes and zero_point 128, or 6-bit codes (0-63: GGUF Q6_K) and zero_point 32. zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
 // be 0 (the AVX2 tiles compute with u - 128 as a signed byte; pack_group_codes ensures it).
 // Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
@@ -701,7 +715,6 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   const bool six = sub16 && zero_point == 32;
   TORCH_CHECK(!five || int_zero, "5-bit codes need an integer zero point");
 #if defined(GEMEL_VNNI)
-  TORCH_CHECK(!sub16, "scales per 16 codes are served by the AVX2 and portable builds only");
   TORCH_CHECK(!five, "5-bit codes are served by the AVX2 and portable builds only");
 #endif
   const auto check_per_block = [&](const at::Tensor& t) {
@@ -752,7 +765,6 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         const S* dp = d.data_ptr<S>();
         const S* lp = int_zero ? nullptr : low.data_ptr<S>();
         constexpr bool kNib = decltype(nibbles_tag)::value, kZero = decltype(int_zero_tag)::value;
-#if !defined(GEMEL_VNNI)
         if constexpr (!kNib && kZero) {
           if (six) {
             gemm_blocks<false, true, true, S, false, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features,
@@ -764,6 +776,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
             return;
           }
         }
+#if !defined(GEMEL_VNNI)
         if constexpr (kNib && kZero) {
           if (five) {
             gemm_blocks<true, true, false, S, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0,
