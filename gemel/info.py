@@ -24,6 +24,7 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
 
     from gemel.config import load_config
     from gemel.layers import cpu_kernels, kernel_plan
+    from gemel.loader.model_loader import stores_weight_groups
     from gemel.platform import select_device, select_dtype
 
     engine = load_config(config_path).engine
@@ -36,10 +37,18 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
              for level, built in cpu_kernels.cached_levels().items()}
     device = select_device(engine.device)
     level = kernel_plan.resolve_isa(engine.cpu_isa)
-    chosen = select_dtype(engine.dtype, device, engine.cpu_isa)
+    groups, model_note = False, None
+    if engine.dtype == "auto" and device.type == "cpu":
+        try:
+            groups = stores_weight_groups(engine.model)
+        except (FileNotFoundError, ValueError) as exc:
+            model_note = f"model {engine.model!r} not readable ({exc}); dtype auto shown for dense weights"
+    chosen = select_dtype(engine.dtype, device, engine.cpu_isa, weight_groups=groups)
     if engine.num_threads:
         torch.set_num_threads(engine.num_threads)
     plan, warnings = kernel_plan.plan_for_config(engine, device, chosen)
+    if model_note:
+        warnings.append(model_note)
     return {
         "cpu": {"model": cpu.model, "machine": cpu.machine, "flags": cpu.relevant_flags(), "best_isa": cpu.best_isa},
         "isa": level,
@@ -47,6 +56,8 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
         "threads": torch.get_num_threads(),
         "threads_note": "gemel serve with engine.num_threads unset adapts: all cores while other processes leave "
                         "them idle, one fewer while they keep them busy",
+        "model": engine.model,
+        "weight_groups": groups,
         "device": str(device),
         "dtype": str(chosen).removeprefix("torch."),
         "plan": [{"rows": rows, "kernel": kernel} for rows, kernel in plan.rows_table()],
@@ -70,6 +81,7 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"flags:    {' '.join(cpu['flags']) or '-'}")
     print(f"level:    {info['isa']} (this CPU runs up to {cpu['best_isa']}; kernels loaded: {info['kernels_loaded'] or 'none'})")
     print(f"threads:  {info['threads']} ({info['threads_note']})")
+    print(f"model:    {info['model']}" + (" (projections in quantised groups)" if info["weight_groups"] else ""))
     print(f"device:   {info['device']}, dtype {info['dtype']}, weight_quant {info['weight_quant']}")
     print("kernel plan (a projection with the checkpoint's groups; others take the dense GEMM):")
     for row in info["plan"]:

@@ -1,5 +1,6 @@
 """Device and dtype choice: CUDA with bf16 when present; on CPU, bf16 only where the hardware
-computes it natively (AMX or AVX512-BF16, at the instruction-set level the engine runs), else
+computes it natively (AMX or AVX512-BF16, at the instruction-set level the engine runs) and the
+integer kernels do not serve the checkpoint better (``kernel_plan.auto_dtype_is_bf16``), else
 float32. A bf16 asked for by name on a CPU without it is computed by PyTorch's portable kernels:
 correct, and slower than float32."""
 
@@ -24,9 +25,17 @@ def select_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def select_dtype(name: str, device: torch.device, cpu_isa: str = "auto") -> torch.dtype:
+def select_dtype(name: str, device: torch.device, cpu_isa: str = "auto", weight_groups: bool = False) -> torch.dtype:
+    """``weight_groups``: the checkpoint stores its projections in quantised groups
+    (``model_loader.stores_weight_groups``)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16(cpu_isa) else torch.float32
+    isa = kernel_plan.resolve_isa(cpu_isa)
+    if not kernel_plan.native_bf16(isa):
+        return torch.float32
+    from gemel.layers import cpu_kernels
+
+    integer_kernels = weight_groups and bool(cpu_kernels.load(isa))
+    return torch.bfloat16 if kernel_plan.auto_dtype_is_bf16(isa, weight_groups, integer_kernels) else torch.float32

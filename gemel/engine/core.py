@@ -23,7 +23,7 @@ from gemel.engine.spec_decode import SpecStats, make_proposer
 from gemel.engine.step_budget import StepTimeModel, prefill_keys
 from gemel.layers.kernel_plan import plan_for_config
 from gemel.layers.linear import apply_plan_
-from gemel.loader.model_loader import LoadedModel, load_model
+from gemel.loader.model_loader import LoadedModel, load_model, stores_weight_groups
 from gemel.platform import select_device, select_dtype
 
 log = logging.getLogger("gemel.engine")
@@ -57,7 +57,9 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
-        self.dtype = select_dtype(config.dtype, self.device, config.cpu_isa)
+        groups = config.dtype == "auto" and self.device.type == "cpu" and stores_weight_groups(
+            loaded.path if loaded else config.model)
+        self.dtype = select_dtype(config.dtype, self.device, config.cpu_isa, weight_groups=groups)
         t0 = time.monotonic()
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0

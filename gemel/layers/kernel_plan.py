@@ -125,10 +125,22 @@ def resolve_isa(requested: str = "auto", cpu: CpuInfo | None = None) -> str:
 
 
 def native_bf16(isa: str, cpu: CpuInfo | None = None) -> bool:
-    """Whether the CPU computes bf16 natively at this level (AMX or AVX512-BF16): only then is
-    bf16 the automatic dtype on CPU."""
+    """Whether the CPU computes bf16 natively at this level (AMX or AVX512-BF16)."""
     cpu = cpu or cpu_info()
     return isa == "amx" or (isa == "avx512" and cpu.has("avx512_bf16"))
+
+
+def auto_dtype_is_bf16(isa: str, weight_groups: bool, integer_kernels: bool, cpu: CpuInfo | None = None) -> bool:
+    """What ``dtype: auto`` computes in on CPU: bf16 where the CPU computes it natively, except
+    below AMX for a checkpoint whose projections are stored in groups (``weight_groups``) when
+    the integer kernels are loaded: float32 then, with every projection call on
+    ``int8_act_gemm`` (x rounded to int8, llama.cpp's arithmetic). On AVX512-VNNI CPUs without
+    AMX (AMD Zen 4/5) that beats bf16 at every batch measured (SmolLM2 on a Zen 5: a batch-32
+    decode step 17-18 ms against 26-29, batch 1 2.8-3.5 against 4.0-4.1); with AMX the bf16
+    tiles win prefill chunks, and the plan gives the integer kernel the smaller calls itself."""
+    if not native_bf16(isa, cpu):
+        return False
+    return isa == "amx" or not (weight_groups and integer_kernels)
 
 
 def compile_flags(isa: str, cpu: CpuInfo | None = None) -> list[str]:

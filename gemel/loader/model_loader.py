@@ -64,6 +64,20 @@ def _read(path: str, with_weights: bool) -> tuple[ModelArchConfig, Tokenizer, di
     )
 
 
+def stores_weight_groups(source: str) -> bool:
+    """Whether a checkpoint keeps projections in quantised groups (a GGUF's Q4_0, Q4_1, Q4_K,
+    Q5_0, Q6_K or Q8_0 blocks), which the CPU's integer kernels compute with as they are; reads
+    the file's metadata only."""
+    path = sources.resolve(source)
+    if os.path.isdir(path):
+        return False
+    from gemel.loader import gguf_loader
+
+    reader = gguf_loader.open_gguf(path)
+    arch = gguf_loader.arch_config(reader, path)
+    return bool(gguf_loader.int4_group_factories(reader, arch) or gguf_loader.int8_group_factories(reader, arch))
+
+
 def load_model(source: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
     import torch
 

@@ -90,7 +90,8 @@ def test_greedy_matches_transformers(reference: Reference, dtype: str):
 # the mean over prompts of the largest teacher-forced log-probability error. x rounded to int8
 # per group of 32 (llama.cpp's arithmetic) moves logits by a few hundredths; bf16 by more.
 PATHS = {
-    # the AVX2 CPU class: float32 chosen automatically, every projection on int8_act_gemm
+    # the AVX2 CPU class's plan, which AVX-512 CPUs without AMX also run by default: float32
+    # chosen automatically, every projection on int8_act_gemm (this process's kernel build)
     "avx2-int8": (dict(cpu_isa="avx2"), 0.5, 0.2),
     # bf16 where the CPU computes it natively: the weight-only kernels and the bf16 GEMM
     "bf16": (dict(dtype="bfloat16"), 0.25, 0.15),

@@ -79,6 +79,41 @@ def test_native_bf16_only_where_the_level_computes_it():
     assert not kernel_plan.native_bf16("avx2", cpu(AMX))  # forced down: the AVX2 class has no bf16
 
 
+def test_dtype_auto_per_cpu_class_and_checkpoint():
+    """bf16 where the CPU computes it natively, except below AMX for a checkpoint stored in
+    groups with the integer kernels loaded: float32 then, every call on int8_act_gemm."""
+    auto = kernel_plan.auto_dtype_is_bf16
+    assert auto("amx", weight_groups=True, integer_kernels=True, cpu=cpu(AMX))  # AMX tiles for prefill
+    assert not auto("avx512", weight_groups=True, integer_kernels=True, cpu=cpu(AVX512))  # Zen 4/5
+    assert auto("avx512", weight_groups=False, integer_kernels=True, cpu=cpu(AVX512))  # dense weights
+    assert auto("avx512", weight_groups=True, integer_kernels=False, cpu=cpu(AVX512))  # no kernels built
+    assert auto("amx", weight_groups=False, integer_kernels=False, cpu=cpu(AMX))
+    assert not auto("avx512", weight_groups=False, integer_kernels=True, cpu=cpu(AVX512 - {"avx512_bf16"}))
+    assert not auto("avx2", weight_groups=False, integer_kernels=False, cpu=cpu(AVX2))
+
+
+def test_engines_choose_the_dtype_from_the_checkpoint(tiny_llama_dir, monkeypatch):
+    """On this CPU, at its own level and at AVX2: a GGUF of quantised groups (SmolLM2) computes
+    in float32 on the integer kernel below AMX; dense weights (an HF directory) in bf16 where
+    the CPU has it natively."""
+    import gemel.platform as platform_
+    from gemel.loader.model_loader import stores_weight_groups
+
+    monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
+    assert stores_weight_groups("smollm2-135m-instruct") and not stores_weight_groups(tiny_llama_dir)
+    level = resolve_isa()
+    native = kernel_plan.native_bf16(level)
+    cpu_device = torch.device("cpu")
+    dense = platform_.select_dtype("auto", cpu_device, weight_groups=False)
+    assert dense == (torch.bfloat16 if native else torch.float32)
+    grouped = platform_.select_dtype("auto", cpu_device, weight_groups=True)
+    kernels = kernel_plan.isa_rank(level) >= kernel_plan.isa_rank("avx2") and cpu_kernels.load()
+    assert grouped == (torch.bfloat16 if native and (level == "amx" or not kernels) else torch.float32)
+    assert platform_.select_dtype("bfloat16", cpu_device, weight_groups=True) == torch.bfloat16  # by name: as asked
+    if kernel_plan.isa_rank(level) >= kernel_plan.isa_rank("avx2"):
+        assert platform_.select_dtype("auto", cpu_device, "avx2", weight_groups=False) == torch.float32
+
+
 def _plan(dtype, dtype_requested="auto", weight_quant="auto", cpu_isa="auto", **kw):
     return plan_engine(device=torch.device("cpu"), dtype=dtype, dtype_requested=dtype_requested,
                        weight_quant=weight_quant, cpu_isa=cpu_isa, **kw)

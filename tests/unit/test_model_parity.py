@@ -11,6 +11,7 @@ import torch
 from parity import check_greedy, hf_greedy, hf_logits
 
 from gemel import LLM, SamplingParams
+from gemel.loader import model_loader
 
 LOGITS_ATOL = 1e-4  # float32, same weights; observed differences are ~1e-6
 
@@ -115,6 +116,7 @@ def test_qwen2_gguf_close_to_transformers(tiny_qwen2_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = _write_qwen2_gguf(tiny_qwen2_dir, str(tmp_path / "tiny-qwen2.gguf"))
+    assert not model_loader.stores_weight_groups(path)  # float tensors: dtype auto keeps bf16 where native
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=256)
     arch = llm.engine.core.loaded.arch
