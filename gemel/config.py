@@ -46,15 +46,15 @@ class EngineConfig(BaseModel):
 
     model: str = Field("smollm2-135m-instruct", description="GGUF file, HF directory, or packaged model name")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Dtype = Field("auto", description="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32")
+    dtype: Dtype = Field("auto", description="auto: bf16 on CUDA, on CPUs with AMX, and on CPUs with AVX512-BF16 for checkpoints with dense weights; else float32 (with a GGUF's quantised blocks on the integer kernels)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_memory_mb: int = Field(2048, ge=1, description="memory budget for the KV cache")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_mb when set")
     kv_cache_dtype: Literal["auto", "float16", "int8"] = Field(
         "auto",
         description="auto: the model's dtype, except float16 where the kernel plan computes in float32 on the "
-        "integer kernels (CPUs without native bf16: half the bytes for decode attention to read, as llama.cpp's f16 "
-        "default); float16: float16 keys and values under a float32 model (dtype float32 only); "
+        "integer kernels (dtype auto with a GGUF's quantised blocks on CPUs without AMX: half the bytes for decode "
+        "attention to read, as llama.cpp's f16 default); float16: float16 keys and values under a float32 model (dtype float32 only); "
         "int8: each token's keys and values per KV head as int8 codes with one "
         "float32 scale (as llama.cpp's q8_0 cache): about half the bytes, so decode attention on CPU reads half the "
         "memory and twice the tokens fit; slightly different outputs",

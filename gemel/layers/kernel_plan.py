@@ -233,7 +233,7 @@ def plan_engine(
     """The plan for one engine and the warnings about settings it could not honour.
 
     ``weight_quant: auto`` resolves to the checkpoint's own groups: in bf16 on CPU as weight-only
-    copies for small calls; in float32 chosen automatically (a CPU without native bf16) with int8
+    copies for small calls; in float32 chosen automatically (``auto_dtype_is_bf16``) with int8
     activations for every call, llama.cpp's arithmetic on the file's exact weights, which is what
     makes such CPUs fast. A float32 asked for by name keeps the dense weights and their exact sums."""
     import torch

@@ -282,7 +282,7 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _every_call_int8_act(self) -> bool:
-        """Whether int8_act_gemm serves calls of every size (the AVX2 class's plan)."""
+        """Whether int8_act_gemm serves calls of every size (the float32 plan below AMX)."""
         return (self.int8_act_out_features > 0 and self.int8_act_max_rows is None and self.quant is None
                 and not self.amx_max_rows)
 
