@@ -128,22 +128,17 @@ class StructuredOutputManager:
 
     def apply_mask(self, logits: torch.Tensor, seq_ids: list[str]) -> None:
         """Forbid, in place, every token a constrained row's grammar does not allow next."""
-        from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+        import torch
+        from llguidance.torch import fill_next_token_bitmask
 
         rows = [(i, self.matchers[s]) for i, s in enumerate(seq_ids) if s in self.matchers]
         if not rows:
             return
-        bitmask = allocate_token_bitmask(len(seq_ids), self.vocab_size)
-        bitmask.fill_(-1)  # unconstrained rows: everything allowed
-        for i, matcher in rows:
-            fill_next_token_bitmask(matcher, bitmask, i)
-        vocab = logits.shape[-1]
-        if vocab == self.vocab_size:
-            apply_token_bitmask_inplace(logits, bitmask)
-        else:  # logits wider than the grammar's vocabulary: padding ids are never allowed
-            view = logits[:, : self.vocab_size]
-            apply_token_bitmask_inplace(view, bitmask)
-            logits[:, self.vocab_size :] = float("-inf")
+        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        for k, (_, matcher) in enumerate(rows):
+            fill_next_token_bitmask(matcher, bitmask, k)
+        for k, (i, _) in enumerate(rows):
+            apply_bitmask_(logits[i], bitmask[k], self.vocab_size)
 
     def accept(self, seq_id: str, token_id: int) -> bool:
         """Feed the sampled token; True when the grammar is complete (the sequence may stop)."""
@@ -152,3 +147,17 @@ class StructuredOutputManager:
             return False
         matcher.consume_token(token_id)
         return matcher.is_stopped()
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """Set to -inf, in place, the logits of one row whose bit in ``bitmask`` (int32 words, bit j
+    of word w for token 32 w + j) is 0, and those of ids past ``vocab_size`` (padding). Eager
+    PyTorch ops: llguidance's own helper is a torch.compile'd kernel, which cost seconds at the
+    first constrained request, and whose Inductor code for AVX2 CPUs (PyTorch 2.13) left
+    forbidden tokens allowed."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten()[: min(vocab_size, logits.shape[-1])]
+    logits[: allowed.numel()].masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
+    logits[vocab_size:] = float("-inf")

@@ -1,15 +1,22 @@
 """Grammar-constrained decoding (JSON mode, JSON schema) with llguidance, on the tiny random model: outputs
-parse and validate, and free requests are unaffected by constrained neighbours."""
+parse and validate, free requests are unaffected by constrained neighbours, and the token mask
+holds on PyTorch's AVX2 kernels too."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
 
 from gemel import LLM, SamplingParams
 from gemel.engine.structured_output import StructuredOutputSpec, validate
+from gemel.layers import kernel_plan
 
 SCHEMAS = [
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
@@ -113,3 +120,43 @@ def test_gemini_openapi_schema_translation():
     assert out["properties"]["n"] == {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
     assert out["properties"]["xs"] == {"type": "array", "items": {"type": "number"}, "maxItems": 3}
     jsonschema.validate({"name": "x", "kind": "a", "n": None, "xs": [1.5]}, out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(dtype):
+    """Token 32 w + j is allowed when bit j of word w is set; ids past the grammar's vocabulary
+    (padding rows of the LM head) never are."""
+    import torch
+
+    from gemel.engine.structured_output import apply_bitmask_
+
+    vocab, width = 1000, 1010
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32, generator=gen)
+    words[3] = 0
+    words[4] = -1
+    logits = torch.randn(2, width, generator=gen).to(getattr(torch, dtype))
+    before = logits.clone()
+    apply_bitmask_(logits[1], words, vocab)
+    allowed = [(int(words[t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] + [False] * (width - vocab)
+    assert torch.equal(logits[0], before[0])  # the other row is untouched
+    kept = torch.isfinite(logits[1]).tolist()
+    assert kept == allowed
+    assert torch.equal(logits[1][torch.tensor(allowed)], before[1][torch.tensor(allowed)])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in kernel_plan.cpu_info().flags,
+                    reason="needs an x86 CPU with AVX2")
+def test_constrained_sampling_on_pytorchs_avx2_kernels():
+    """The tests above again with PyTorch's AVX2 kernels (what an AVX2-only CPU runs), in a
+    process of its own: llguidance's torch.compile'd mask helper, which gemel used before,
+    left tokens allowed there that the grammar forbids."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{Path(__file__).relative_to(root)}::test_sampled_outputs_validate",
+         f"{Path(__file__).relative_to(root)}::test_json_object_mode",
+         f"{Path(__file__).relative_to(root)}::test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear"],
+        cwd=root, env=dict(os.environ, ATEN_CPU_CAPABILITY="avx2"), capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
