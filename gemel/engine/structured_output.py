@@ -137,8 +137,7 @@ class StructuredOutputManager:
         bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
         for k, (_, matcher) in enumerate(rows):
             fill_next_token_bitmask(matcher, bitmask, k)
-        for k, (i, _) in enumerate(rows):
-            apply_bitmask_(logits[i], bitmask[k], self.vocab_size)
+        apply_bitmask_(logits, bitmask, [i for i, _ in rows], self.vocab_size)
 
     def accept(self, seq_id: str, token_id: int) -> bool:
         """Feed the sampled token; True when the grammar is complete (the sequence may stop)."""
@@ -149,15 +148,27 @@ class StructuredOutputManager:
         return matcher.is_stopped()
 
 
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
-    """Set to -inf, in place, the logits of one row whose bit in ``bitmask`` (int32 words, bit j
-    of word w for token 32 w + j) is 0, and those of ids past ``vocab_size`` (padding). Eager
-    PyTorch ops: llguidance's own helper is a torch.compile'd kernel, which cost seconds at the
-    first constrained request, and whose Inductor code for AVX2 CPUs (PyTorch 2.13) left
-    forbidden tokens allowed."""
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """Set to -inf, in place, the logits of row ``rows[i]`` whose bit in ``bitmask[i]`` (int32
+    words, bit j of word w for token 32 w + j) is clear, and those of ids past ``vocab_size``
+    (padding). CPU logits take gemel's C++ op (``csrc/token_mask.cpp``), others PyTorch ops.
+    Not llguidance's own helper: it is a torch.compile'd kernel, which compiles for 1-6 s at the
+    first constrained request, and which, loaded from Inductor's cache after a change of
+    ``ATEN_CPU_CAPABILITY`` (AVX-512 code run beside AVX2 kernels, as a benchmark capped at AVX2
+    does), left forbidden tokens allowed."""
     import torch
 
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten()[: min(vocab_size, logits.shape[-1])]
-    logits[: allowed.numel()].masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
-    logits[vocab_size:] = float("-inf")
+    from gemel.layers import cpu_kernels
+
+    index = torch.tensor(rows, dtype=torch.long)
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 and cpu_kernels.load():
+        torch.ops.gemel.apply_token_bitmask(logits, bitmask, index, vocab_size)
+        return
+    index = index.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : min(vocab_size, logits.shape[-1])]
+    picked = logits[index]
+    picked[:, : allowed.shape[1]].masked_fill_(allowed == 0, float("-inf"))
+    picked[:, vocab_size:] = float("-inf")
+    logits[index] = picked

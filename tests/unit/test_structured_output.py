@@ -122,35 +122,43 @@ def test_gemini_openapi_schema_translation():
     jsonschema.validate({"name": "x", "kind": "a", "n": None, "xs": [1.5]}, out)
 
 
+@pytest.mark.parametrize("path", ["cpp", "torch"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(dtype):
+def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(dtype, path, monkeypatch):
     """Token 32 w + j is allowed when bit j of word w is set; ids past the grammar's vocabulary
-    (padding rows of the LM head) never are."""
+    (padding rows of the LM head) never are; rows without a grammar are left alone. Both the
+    C++ op and the PyTorch ops that serve where it does not."""
     import torch
 
     from gemel.engine.structured_output import apply_bitmask_
+    from gemel.layers import cpu_kernels
 
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "load", lambda *a, **k: False)
+    else:
+        assert cpu_kernels.load()
     vocab, width = 1000, 1010
     gen = torch.Generator().manual_seed(0)
-    words = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32, generator=gen)
-    words[3] = 0
-    words[4] = -1
-    logits = torch.randn(2, width, generator=gen).to(getattr(torch, dtype))
+    words = torch.randint(-(2**31), 2**31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    words[0, 3] = 0
+    words[0, 4] = -1
+    logits = torch.randn(3, width, generator=gen).to(getattr(torch, dtype))
     before = logits.clone()
-    apply_bitmask_(logits[1], words, vocab)
-    allowed = [(int(words[t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] + [False] * (width - vocab)
-    assert torch.equal(logits[0], before[0])  # the other row is untouched
-    kept = torch.isfinite(logits[1]).tolist()
-    assert kept == allowed
-    assert torch.equal(logits[1][torch.tensor(allowed)], before[1][torch.tensor(allowed)])
+    apply_bitmask_(logits, words, [2, 0], vocab)
+    assert torch.equal(logits[1], before[1])  # no grammar: untouched
+    for row, k in ((2, 0), (0, 1)):
+        allowed = [(int(words[k, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] + [False] * (width - vocab)
+        assert torch.isfinite(logits[row]).tolist() == allowed
+        assert torch.equal(logits[row][torch.tensor(allowed)], before[row][torch.tensor(allowed)])
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in kernel_plan.cpu_info().flags,
                     reason="needs an x86 CPU with AVX2")
 def test_constrained_sampling_on_pytorchs_avx2_kernels():
-    """The tests above again with PyTorch's AVX2 kernels (what an AVX2-only CPU runs), in a
-    process of its own: llguidance's torch.compile'd mask helper, which gemel used before,
-    left tokens allowed there that the grammar forbids."""
+    """The tests above again with PyTorch's AVX2 kernels (what an AVX2-only CPU runs, and what
+    `bench/compare.py --isa avx2` sets), in a process of its own: llguidance's torch.compile'd
+    mask helper, which gemel used before, loaded its AVX-512 build from Inductor's cache there
+    and left tokens allowed that the grammar forbids."""
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
