@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.isa == "avx2":  # inherited by the servers started below
         os.environ.update(GEMEL_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
                           LLAMA_CPP_ISA="avx2")
+        # torch.compile's cache of its own: code it built for the machine's own level, loaded
+        # beside PyTorch's AVX2 kernels, computed wrong results (PyTorch 2.13).
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gemel-inductor-avx2"))
 
     python = sys.executable
     if args.model is None:
