@@ -43,7 +43,7 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
             groups = stores_weight_groups(engine.model)
         except (FileNotFoundError, ValueError) as exc:
             model_note = f"model {engine.model!r} not readable ({exc}); dtype auto shown for dense weights"
-    chosen = select_dtype(engine.dtype, device, engine.cpu_isa, weight_groups=groups)
+    chosen = select_dtype(engine.dtype, device, engine.cpu_isa, weight_groups=lambda: groups)
     if engine.num_threads:
         torch.set_num_threads(engine.num_threads)
     plan, warnings = kernel_plan.plan_for_config(engine, device, chosen)

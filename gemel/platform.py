@@ -6,6 +6,8 @@ correct, and slower than float32."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gemel.layers import kernel_plan
@@ -25,9 +27,12 @@ def select_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def select_dtype(name: str, device: torch.device, cpu_isa: str = "auto", weight_groups: bool = False) -> torch.dtype:
-    """``weight_groups``: the checkpoint stores its projections in quantised groups
-    (``model_loader.stores_weight_groups``)."""
+def select_dtype(
+    name: str, device: torch.device, cpu_isa: str = "auto", weight_groups: Callable[[], bool] = lambda: False
+) -> torch.dtype:
+    """``weight_groups``: whether the checkpoint stores its projections in quantised groups
+    (``model_loader.stores_weight_groups``), asked only where the answer decides (a CPU with
+    native bf16 below AMX): reading a GGUF's index takes about half a second."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
@@ -35,7 +40,10 @@ def select_dtype(name: str, device: torch.device, cpu_isa: str = "auto", weight_
     isa = kernel_plan.resolve_isa(cpu_isa)
     if not kernel_plan.native_bf16(isa):
         return torch.float32
+    if isa == "amx":  # bf16 whatever the checkpoint (kernel_plan.auto_dtype_is_bf16): not read
+        return torch.bfloat16
     from gemel.layers import cpu_kernels
 
-    integer_kernels = weight_groups and bool(cpu_kernels.load(isa))
-    return torch.bfloat16 if kernel_plan.auto_dtype_is_bf16(isa, weight_groups, integer_kernels) else torch.float32
+    groups = weight_groups()
+    integer_kernels = groups and bool(cpu_kernels.load(isa))
+    return torch.bfloat16 if kernel_plan.auto_dtype_is_bf16(isa, groups, integer_kernels) else torch.float32

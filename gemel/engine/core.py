@@ -57,9 +57,8 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
-        groups = config.dtype == "auto" and self.device.type == "cpu" and stores_weight_groups(
-            loaded.path if loaded else config.model)
-        self.dtype = select_dtype(config.dtype, self.device, config.cpu_isa, weight_groups=groups)
+        self.dtype = select_dtype(config.dtype, self.device, config.cpu_isa,
+                                  weight_groups=lambda: stores_weight_groups(loaded.path if loaded else config.model))
         t0 = time.monotonic()
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.load_time_s = time.monotonic() - t0

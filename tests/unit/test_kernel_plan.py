@@ -104,14 +104,20 @@ def test_engines_choose_the_dtype_from_the_checkpoint(tiny_llama_dir, monkeypatc
     level = resolve_isa()
     native = kernel_plan.native_bf16(level)
     cpu_device = torch.device("cpu")
-    dense = platform_.select_dtype("auto", cpu_device, weight_groups=False)
+    dense = platform_.select_dtype("auto", cpu_device, weight_groups=lambda: False)
     assert dense == (torch.bfloat16 if native else torch.float32)
-    grouped = platform_.select_dtype("auto", cpu_device, weight_groups=True)
+    grouped = platform_.select_dtype("auto", cpu_device, weight_groups=lambda: True)
     kernels = kernel_plan.isa_rank(level) >= kernel_plan.isa_rank("avx2") and cpu_kernels.load()
     assert grouped == (torch.bfloat16 if native and (level == "amx" or not kernels) else torch.float32)
-    assert platform_.select_dtype("bfloat16", cpu_device, weight_groups=True) == torch.bfloat16  # by name: as asked
+    assert platform_.select_dtype("bfloat16", cpu_device, weight_groups=lambda: True) == torch.bfloat16  # as asked
+
+    def unread():
+        raise AssertionError("the checkpoint is read only where it decides the dtype")
+
     if kernel_plan.isa_rank(level) >= kernel_plan.isa_rank("avx2"):
-        assert platform_.select_dtype("auto", cpu_device, "avx2", weight_groups=False) == torch.float32
+        assert platform_.select_dtype("auto", cpu_device, "avx2", weight_groups=unread) == torch.float32
+    if level == "amx":
+        assert platform_.select_dtype("auto", cpu_device, weight_groups=unread) == torch.bfloat16
 
 
 def _plan(dtype, dtype_requested="auto", weight_quant="auto", cpu_isa="auto", **kw):
