@@ -13,9 +13,9 @@ for both and the ratios gemel/peer, plus each server's peak RSS (VmHWM over its 
 
 Every round uses its own seed, shared by both servers, so the two see the same prompts but no
 round hits a prefix cache filled by an earlier one. The peer is started with as many slots as the
-concurrency (``-np C -cb -c C*512 -t 2``), restarted for each concurrency level unless
-``--peer-url`` is given. The machine drifts, so only ratios from one run mean much. Each run
-starts after ``--settle`` seconds of quiet (default 1.5): gemel's engine gives up a core while
+concurrency (``-np C -cb -t 2``, ``-c`` C x 512 tokens, more where a prompt and its output
+need it), restarted for each concurrency level unless ``--peer-url`` is given. The machine
+drifts, so only ratios from one run mean much. Each run starts after ``--settle`` seconds of quiet (default 1.5): gemel's engine gives up a core while
 another process keeps one busy and takes it back a quarter second after it stops, so a run
 started the moment the other server's run ends would begin on one thread (its first prompts'
 TTFT then measures the benchmark's alternation, not the server).
@@ -265,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         for ci, conc in enumerate(args.concurrency):
             if "peer" in names and args.peer_url is None:
                 port = args.peer_port or free_port()
+                # every slot holds a whole request: 512 tokens, or prompt + output rounded up to 256
+                per_slot = max(512, -(-(args.input_len + args.output_len + 16) // 256) * 256)
                 cmd = ["bash", PEER_SCRIPT, "start", "--port", str(port), "--parallel", str(conc),
-                       "--threads", str(args.peer_threads), "--model", args.model]
+                       "--threads", str(args.peer_threads), "--model", args.model, "--ctx", str(conc * per_slot)]
                 peer = Server("peer", cmd, port, log_dir, "/health")
                 peer.start(args.start_timeout)
             peer_url = args.peer_url or (peer.url if peer else None)
