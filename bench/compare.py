@@ -13,12 +13,12 @@ for both and the ratios gemel/peer, plus each server's peak RSS (VmHWM over its 
 
 Every round uses its own seed, shared by both servers, so the two see the same prompts but no
 round hits a prefix cache filled by an earlier one. The peer is started with as many slots as the
-concurrency (``-np C -cb -t 2``, ``-c`` C x 512 tokens, more where a prompt and its output
-need it), restarted for each concurrency level unless ``--peer-url`` is given. The machine
-drifts, so only ratios from one run mean much. Each run starts after ``--settle`` seconds of quiet (default 1.5): gemel's engine gives up a core while
-another process keeps one busy and takes it back a quarter second after it stops, so a run
-started the moment the other server's run ends would begin on one thread (its first prompts'
-TTFT then measures the benchmark's alternation, not the server).
+concurrency (``-np C -cb -t 2``, ``-c`` C x 512 tokens, more where a prompt and its output need
+it), restarted for each concurrency level unless ``--peer-url`` is given. The machine drifts, so
+only ratios from one run mean much. Each run starts after ``--settle`` seconds of quiet (default
+1.5): gemel's engine gives up a core while another process keeps one busy and takes it back a
+quarter second after it stops, so a run started the moment the other server's run ends would begin
+on one thread (its first prompts' TTFT then measures the benchmark's alternation, not the server).
 """
 
 from __future__ import annotations
