@@ -4,6 +4,7 @@ come from memory rather than from cache (thirty of SmolLM2's 3,072 x 576 gate_up
 
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 262144x640:int8 49152x576:int8 --rows 32
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 3072x576:int4 576x1536:int4 --rows 32 --copies 30
+    GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 3072x576:int4 --avx-vnni   # the AVX-VNNI build
 
 Prints, per shape and row count, the median time of a call and its multiply-adds per second.
 The machine's speed drifts; compare builds by alternating whole runs.
@@ -48,11 +49,19 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--avx-vnni", action="store_true",
+                   help="build the avx2 level with AVX-VNNI, as a CPU that has it without AVX-512 runs it "
+                        "(Intel Alder Lake and later), to measure that build on a CPU that has both")
     args = p.parse_args()
+    if args.avx_vnni:
+        generic = kernel_plan.compile_flags
+        kernel_plan.compile_flags = lambda isa, cpu=None: (
+            ["-march=x86-64-v3", "-mavxvnni"] if isa == "avx2" else generic(isa, cpu))
     torch.set_num_threads(args.threads)
     assert cpu_kernels.load(), "the C++ kernels did not build"
     cpu = kernel_plan.cpu_info()
-    print(f"CPU {cpu.model}, flags {' '.join(cpu.relevant_flags())}; kernels {cpu_kernels.loaded_isa()}, "
+    print(f"CPU {cpu.model}, flags {' '.join(cpu.relevant_flags())}; kernels {cpu_kernels.loaded_isa()} "
+          f"({' '.join(cpu_kernels.built_features())}), "
           f"{args.threads} threads, {args.copies} copies of each weight")
     print("| shape | kind | rows | ms a call | GMAC/s |")
     print("|---|---|---|---|---|")

@@ -67,10 +67,16 @@ def serves_sub16_scales() -> bool:
     return load()
 
 
+def built_features() -> list[str]:
+    """The instruction-set extensions the loaded kernels were compiled with (``avx2``,
+    ``avxvnni``, ``avx512vnni``, ...); empty without kernels."""
+    return torch.ops.gemel.kernel_isa().split()[1:] if load() else []
+
+
 def serves_five_bit_codes() -> bool:
     """Whether the loaded int8_act_gemm takes 5-bit codes (GGUF Q5_0) as nibbles plus a plane
     of fifth bits: the AVX2 and portable builds do; the AVX512-VNNI tiles take them as bytes."""
-    return load() and "avx512vnni" not in torch.ops.gemel.kernel_isa().split()
+    return load() and "avx512vnni" not in built_features()
 
 
 def amx_tiles_available() -> bool:

@@ -177,6 +177,7 @@ class KernelPlan:
     amx_max_rows: int  # AMX bf16 tiles up to this many rows (0: none)
     prepack_bf16: bool  # oneDNN-blocked bf16 weights for the dense GEMM
     kv_dtype: "torch.dtype | None" = None  # the KV cache's element type under kv_cache_dtype auto (None: dtype)
+    avx_vnni: bool = False  # the AVX2 build has AVX-VNNI's 256-bit dot products (built for a CPU that has them)
 
     def rows_table(self) -> list[tuple[str, str]]:
         """(rows, kernel) for each range of call sizes, smallest first, for a projection that has
@@ -193,7 +194,8 @@ class KernelPlan:
         if self.amx_max_rows:
             ranges.append((self.amx_max_rows, "amx_bf16_gemm (AMX bf16 tiles)"))
         if self.int8_activations:
-            ranges.append((self.int8_act_max_rows, f"int8_act_gemm ({self.isa}: integer dot products, x as int8)"))
+            level = f"{self.isa} + AVX-VNNI" if self.avx_vnni else self.isa
+            ranges.append((self.int8_act_max_rows, f"int8_act_gemm ({level}: integer dot products, x as int8)"))
         dense = "oneDNN prepacked bf16" if self.prepack_bf16 else str(self.dtype).removeprefix("torch.")
         ranges.append((None, f"dense GEMM ({dense})"))
         table, first = [], 1
@@ -296,6 +298,7 @@ def plan_engine(
         # float32 on the integer kernels: the KV cache in float16 (the kernels widen its rows as
         # they read them), half the bytes a decode step's attention reads, as llama.cpp's f16 cache
         kv_dtype=torch.float16 if every_call_int8 else None,
+        avx_vnni=kernels and isa == "avx2" and "avxvnni" in cpu_kernels.built_features(),
     )
     return plan, warnings
 

@@ -60,3 +60,78 @@ def test_kernels_of_each_lower_level_give_the_same_results(level):
     assert built and built[0] == level, probe.stdout + probe.stderr[-2000:]
     assert ("avx512f" in built) == (kernel_plan.isa_rank(level) >= kernel_plan.isa_rank("avx512"))
     assert ("avx2" in built) == (level != "portable")
+
+
+# The AVX2 level has two builds: with AVX-VNNI's 256-bit dot products where the CPU has them and
+# AVX2 is its own level (-march=native: Intel Alder Lake and later, Sierra Forest), without them
+# elsewhere (x86-64-v3). A CPU with AVX-VNNI runs both: the one its avx2 level does not build is
+# built here by changing the compiler flags in a fresh process.
+CPU = kernel_plan.cpu_info()
+OWN_AVX2_HAS_VNNI = BEST == "avx2"  # -march=native on a CPU with avx_vnni
+OTHER_AVX2_FLAGS = ["-march=x86-64-v3"] if OWN_AVX2_HAS_VNNI else ["-march=x86-64-v3", "-mavxvnni"]
+OTHER_AVX2_PRELUDE = (
+    "import sys; from gemel.layers import kernel_plan as kp; orig = kp.compile_flags; "
+    f"kp.compile_flags = lambda isa, cpu=None: {OTHER_AVX2_FLAGS!r} if isa == 'avx2' else orig(isa, cpu); "
+)
+# int8_act_gemm on every kind of code it takes, at row counts that take each tile shape.
+SAME_SUMS_SCRIPT = """
+import sys, torch
+from gemel.layers import cpu_kernels
+assert cpu_kernels.load()
+g = torch.Generator().manual_seed(0)
+f = torch.ops.gemel.int8_act_gemm
+outs = {}
+for rows in (1, 3, 4, 9, 37):
+    for n in (24, 300):
+        k = 640
+        blocks, groups = (n + 15) // 16, k // 32
+        x = torch.randn(rows, k, generator=g)
+        d = torch.rand(blocks, groups, 16, generator=g) * 0.01
+        d32 = torch.rand(blocks, groups, 32, generator=g) * 0.01
+        low = torch.rand(blocks, groups, 16, generator=g) * -0.01
+        c4 = torch.randint(0, 256, (blocks, groups, 256), dtype=torch.uint8, generator=g)
+        c5 = torch.randint(0, 256, (blocks, groups, 320), dtype=torch.uint8, generator=g)
+        c6 = torch.randint(0, 64, (blocks, groups, 512), dtype=torch.uint8, generator=g)
+        c8 = torch.randint(1, 256, (blocks, groups, 512), dtype=torch.uint8, generator=g)
+        outs[f"q4_1 {rows} {n}"] = f(x, c4, d, low, n)
+        outs[f"q4_0 {rows} {n}"] = f(x, c4, d, torch.empty(0), n, False, 8)
+        outs[f"q5_0 {rows} {n}"] = f(x, c5, d, torch.empty(0), n, False, 16)
+        outs[f"q8_0 {rows} {n}"] = f(x, c8, d, torch.empty(0), n, False, 128)
+        outs[f"q8 per 16 {rows} {n}"] = f(x, c8, d32, torch.empty(0), n, False, 128)
+        outs[f"q6_k {rows} {n}"] = f(x, c6, d32, torch.empty(0), n, False, 32)
+print(torch.ops.gemel.kernel_isa())
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.skipif(not (CPU.has("avx_vnni") and kernel_plan.isa_rank(BEST) >= kernel_plan.isa_rank("avx2")),
+                    reason="this CPU has no AVX-VNNI: its avx2 level has one build")
+def test_avx2_builds_with_and_without_avx_vnni_give_the_same_results(tmp_path):
+    env = dict(os.environ, GEMEL_CPU_ISA="avx2")
+    script = tmp_path / "same_sums.py"
+    script.write_text(SAME_SUMS_SCRIPT)
+    isa = {}
+    for name, prelude in (("own", ""), ("other", OTHER_AVX2_PRELUDE)):
+        run = subprocess.run(
+            [sys.executable, "-c", prelude + f"import runpy, sys; sys.argv = ['x', {str(tmp_path / name)!r}]; "
+             f"runpy.run_path({str(script)!r}, run_name='__main__')"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        isa[name] = run.stdout.split()
+    assert ("avxvnni" in isa["own"]) == OWN_AVX2_HAS_VNNI and ("avxvnni" in isa["other"]) != OWN_AVX2_HAS_VNNI
+    import torch
+
+    own, other = torch.load(tmp_path / "own"), torch.load(tmp_path / "other")
+    assert own.keys() == other.keys() and len(own) == 5 * 2 * 6
+    differ = [key for key in own if not torch.equal(own[key], other[key])]
+    assert not differ, differ  # the same integer sums, so the same floats
+    # and the other build passes the kernel tests on its own
+    run = subprocess.run(
+        [sys.executable, "-c", OTHER_AVX2_PRELUDE + "import pytest; sys.exit(pytest.main(sys.argv[1:]))",
+         "-q", "-p", "no:cacheprovider", *KERNEL_TESTS[:6]],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout, run.stdout[-1000:]

@@ -15,6 +15,9 @@ std::string kernel_isa() {
 #if defined(__AVX2__)
   out += " avx2";
 #endif
+#if defined(__AVXVNNI__)
+  out += " avxvnni";
+#endif
 #if defined(__AVX512F__)
   out += " avx512f";
 #endif
