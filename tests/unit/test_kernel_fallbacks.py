@@ -3,7 +3,9 @@ kernels are built for each level below the CPU's own (``$GEMEL_CPU_ISA``: x86-64
 ``avx2``, the plain C++ loops for ``portable``, AVX-512 without tiles on an AMX CPU) and the
 kernel equivalence tests run against that build in a fresh process (a process holds one level).
 The CPU's own level is what the rest of the suite runs. So no kernel ships untested on the
-machine type it was measured on: an AVX-512 host also runs the AVX2 and portable builds."""
+machine type it was measured on: an AVX-512 host also runs the AVX2 and portable builds, and
+the variants of a level that other CPUs of it build (the AVX2 level with and without AVX-VNNI,
+the AVX-512 level without VNNI and BF16) where this CPU can run them."""
 
 from __future__ import annotations
 
@@ -131,6 +133,39 @@ def test_avx2_builds_with_and_without_avx_vnni_give_the_same_results(tmp_path):
     run = subprocess.run(
         [sys.executable, "-c", OTHER_AVX2_PRELUDE + "import pytest; sys.exit(pytest.main(sys.argv[1:]))",
          "-q", "-p", "no:cacheprovider", *KERNEL_TESTS[:6]],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout, run.stdout[-1000:]
+
+
+# The avx512 level on a CPU with AVX-512 but neither VNNI nor BF16 (Intel Skylake-SP/X): its
+# build (x86-64-v4) takes the AVX2 tiles in int8_act_gemm and the plain AVX-512 loops elsewhere.
+# Any AVX-512 host that has VNNI or BF16 builds the avx512 level with them, so it builds this one
+# here too.
+SKYLAKE_PRELUDE = (
+    "import sys; from gemel.layers import kernel_plan as kp; orig = kp.compile_flags; "
+    "kp.compile_flags = lambda isa, cpu=None: ['-march=x86-64-v4'] if isa == 'avx512' else orig(isa, cpu); "
+)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.skipif(kernel_plan.isa_rank(BEST) < kernel_plan.isa_rank("avx512")
+                    or not (CPU.has("avx512_vnni") or CPU.has("avx512_bf16")),
+                    reason="this CPU's avx512 level (if any) is already the build without VNNI and BF16")
+def test_avx512_build_without_vnni_and_bf16_gives_the_same_results():
+    env = dict(os.environ, GEMEL_CPU_ISA="avx512")
+    probe = subprocess.run(
+        [sys.executable, "-c", SKYLAKE_PRELUDE + "import torch; from gemel.layers import cpu_kernels; "
+         "assert cpu_kernels.load(); print(torch.ops.gemel.kernel_isa())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    built = probe.stdout.split()
+    assert built[:3] == ["avx512", "avx2", "avx512f"] and "avx512vnni" not in built and "avx512bf16" not in built, \
+        probe.stdout + probe.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-c", SKYLAKE_PRELUDE + "import pytest; sys.exit(pytest.main(sys.argv[1:]))",
+         "-q", "-p", "no:cacheprovider", *[t for t in KERNEL_TESTS if "kernel_plan" not in t]],  # (flags patched)
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
