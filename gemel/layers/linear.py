@@ -66,6 +66,11 @@ class Linear(nn.Module):
         self.amx_layout = AMX_PLAIN  # AMX_GATE_UP: tiles pair each gate block with its up block
         # Set by a model whose output is a gated MLP's [gate | up] halves (silu(gate) * up follows).
         self.gate_up = False
+        # An LM head that shares the input embedding's table (``tied``); once its every call takes
+        # int8_act_gemm on 8-bit codes, token lookups read those codes (``embedding_rows``) in
+        # this dtype and the model lets go of the dense table.
+        self.tied_embedding = False
+        self.embedding_dtype: torch.dtype | None = None
 
     @classmethod
     def load(cls, w: WeightSource, names: list[str], bias_names: list[str] | None = None) -> "Linear":
@@ -81,9 +86,30 @@ class Linear(nn.Module):
     def tied(cls, embedding: torch.Tensor, w: WeightSource, name: str) -> "Linear":
         """The LM head that shares the input embedding's weight (``name`` in the checkpoint)."""
         lin = cls(embedding)
+        lin.tied_embedding = True
         if name in w.int8_factories:
             lin.checkpoint_int8 = functools.partial(w.int8_groups, [name])
         return lin
+
+    def serves_embedding_rows(self) -> bool:
+        """Whether ``embedding_rows`` can read this weight's rows: 8-bit codes packed for
+        int8_act_gemm (GGUF Q8_0, one scale per 32) and no dense weight kept beside them."""
+        codes, scale = self._int8_act_args[:2] if self._int8_act_args else (None, None)
+        return (self.weight is None and codes is not None and self.int8_act_zero_point == 128
+                and codes.shape[-1] == 512 and scale.shape[-1] == 16)
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, read from int8_act_gemm's packed codes: the values the
+        dense table held (each code times its group's scale), without keeping that table (Gemma 3's
+        262,144 x 640 in float32 is 671 MB; its Q8_0 codes, which the LM head reads anyway, 168)."""
+        codes, scale = self._int8_act_args[:2]
+        blocks, groups = codes.shape[:2]
+        flat = ids.reshape(-1)
+        block, lane = flat // 16, flat % 16
+        # pack_group_codes: [blocks, groups, 8 vectors, 16 rows, 4 codes], codes as q + 128
+        q = codes.view(blocks, groups, 8, 16, 4)[block, :, :, lane, :].reshape(len(flat), groups, 32)
+        rows = (q.to(torch.int16) - 128).float() * scale[block, :, lane].float()[..., None]
+        return rows.view(*ids.shape, groups * 32).to(self.embedding_dtype or torch.float32)
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
@@ -459,6 +485,19 @@ def apply_plan_(model: nn.Module, plan: KernelPlan, keep_dense: bool = False) ->
     )
     if plan.prepack_bf16:
         prepack_model_(model, keep_dense=keep_dense)
+    share_tied_table_(model)
+
+
+def share_tied_table_(model: nn.Module) -> bool:
+    """Where a model's tied LM head now reads only its packed 8-bit codes, let its token lookups
+    read them too and drop the dense embedding table (it is the only reader left). Returns
+    whether it did."""
+    head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if not (isinstance(head, Linear) and head.tied_embedding and table is not None and head.serves_embedding_rows()):
+        return False
+    head.embedding_dtype = table.dtype
+    model.embed_tokens = None
+    return True
 
 
 def prepack_model_(model: nn.Module, keep_dense: bool = False) -> int:

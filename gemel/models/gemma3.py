@@ -109,7 +109,10 @@ class Gemma3ForCausalLM(nn.Module):
         self.embed_scale = cfg.hidden_size**0.5
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_tokens is not None:
+            x = F.embedding(input_ids, self.embed_tokens)
+        else:  # the table was handed to the tied LM head's codes (linear.share_tied_table_)
+            x = self.lm_head.embedding_rows(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = {
             False: self.global_rope.cos_sin(positions, x.dtype),

@@ -94,7 +94,10 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_tokens is not None:
+            x = F.embedding(input_ids, self.embed_tokens)
+        else:  # the table was handed to the tied LM head's codes (linear.share_tied_table_)
+            x = self.lm_head.embedding_rows(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if fused.use_fused(meta):
             whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=False)

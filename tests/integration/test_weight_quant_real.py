@@ -72,9 +72,12 @@ def test_int8_activations_serve_every_projection_close_to_the_dense_model():
     amx = cpu_kernels.has_amx()
     assert all(m.int8_act_max_rows == (AMX_INT8_ACT_MAX_ROWS if amx else None) for m in projections)
     assert all((m.onednn_weight is not None) == amx for m in projections)
-    assert model.embed_tokens.shape == (49152, 576)  # the lookup table stays
+    # the tied LM head reads only its Q8_0 codes now, and so do the token lookups: no dense table
+    assert model.embed_tokens is None
 
     dense = LLM("smollm2-135m-instruct", dtype="bfloat16", weight_quant="none")
+    table = dense.engine.core.loaded.model.embed_tokens
+    assert table.shape == (49152, 576) and torch.equal(model.lm_head.embedding_rows(torch.arange(49152)), table)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[{"role": "user", "content": p}] for p in ("Why is the sky blue?", "Describe a cat.",
                                                            "Give me a tip for learning Python.", "Who wrote Hamlet?")]

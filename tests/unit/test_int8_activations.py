@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gemel.layers import cpu_kernels, kernel_plan
-from gemel.layers.linear import Linear, quantize_model_
+from gemel.layers.linear import Linear, quantize_model_, share_tied_table_
 from gemel.models.weights import Int4Groups, Int8Groups
 
 
@@ -288,3 +288,41 @@ def test_benchmark_configurations_load():
     for path in files:
         config = load_config(str(path))
         assert config.engine.num_threads == 2 and config.engine.int8_activations, path
+
+
+class _TiedModel(torch.nn.Module):
+    """A model's embedding and the tied LM head that shares its table, as the model files build them."""
+
+    def __init__(self, groups: Int4Groups | Int8Groups, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = torch.nn.Parameter(groups.dequantize().to(dtype), requires_grad=False)
+        self.lm_head = Linear(self.embed_tokens)
+        self.lm_head.tied_embedding = True
+        self.lm_head.checkpoint_int8 = (lambda: groups) if isinstance(groups, Int8Groups) else None
+        self.lm_head.checkpoint_int4 = (lambda: groups) if isinstance(groups, Int4Groups) else None
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="needs the C++ kernels")
+@pytest.mark.parametrize("vocab", [16, 37, 300])  # 37: rows past the last whole block of 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_head_on_8_bit_codes_serves_the_token_lookups_exactly(vocab, dtype):
+    groups = _int8_groups(vocab, 96, seed=vocab, half=True)  # Q8_0: float16 scales
+    model = _TiedModel(groups, dtype)
+    table = model.embed_tokens.detach().clone()
+    kept = _TiedModel(groups, dtype)  # a head that keeps its dense weight for larger calls
+    quantize_model_(kept, "none", 0, int8_activations=True, int8_act_max_rows=64)
+    assert not share_tied_table_(kept) and kept.embed_tokens is not None
+
+    quantize_model_(model, "none", 0, int8_activations=True)  # every call on int8_act_gemm
+    assert model.lm_head.weight is None and share_tied_table_(model) and model.embed_tokens is None
+    ids = torch.tensor([[0, vocab - 1, 5 % vocab], [vocab // 2, 1, 0]])
+    rows = model.lm_head.embedding_rows(ids)
+    assert rows.dtype == dtype and torch.equal(rows, table[ids])
+    assert torch.equal(model.lm_head.embedding_rows(torch.arange(vocab)), table)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="needs the C++ kernels")
+def test_a_tied_head_on_4_bit_codes_keeps_the_table():
+    model = _TiedModel(_int4_groups(40, 64, seed=3), torch.float32)
+    quantize_model_(model, "none", 0, int8_activations=True)
+    assert model.lm_head.weight is None and not share_tied_table_(model) and model.embed_tokens is not None
