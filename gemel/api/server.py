@@ -202,6 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gemel.api.app import create_app
     from gemel.api.drain import DrainingServer
+    from gemel.engine.core_proc import freeze_heap
     from gemel.loader.sources import ModelNotFound
     from gemel.observability.tracing import OTLPExporterMissing
 
@@ -238,6 +239,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # get this long more, then are cancelled (which aborts them in the engine).
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
+    freeze_heap()  # the app and everything imported: the collector need not walk them again
     DrainingServer(uv_config, app.state.drain).run()
     return 0
 

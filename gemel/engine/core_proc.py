@@ -84,6 +84,7 @@ def run_engine_core(
             engine_config = engine_config.model_copy(update={"num_threads": max(1, _cores() - 1)})
         core = EngineCore(engine_config)
         core.runner.prefault_kv()  # a server's memory is resident from the start
+        freeze_heap()
     except Exception as e:  # the front end reports it and /readyz stays red
         log.exception("engine failed to start")
         output_conn.send(Failed(f"{type(e).__name__}: {e}"))
@@ -128,6 +129,17 @@ def parse_fault(spec: str | None) -> Fault | None:
         raise ValueError(f"fault_injection: expected crash_after_steps=N or stall_after_steps=N, got {spec!r}")
     log.warning("fault injection on: %s", spec)
     return Fault(kinds[name], int(value))
+
+
+def freeze_heap() -> None:
+    """Move every object alive now (the model, its tensors, the modules imported) out of the
+    cyclic garbage collector's reach, as vLLM does after start-up: a full collection otherwise
+    walks them all again every few hundred steps' worth of allocations, on the thread that runs
+    the steps (1-2% of a served batch-32 round on a 2-core CPU)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _cores() -> int:
