@@ -69,12 +69,18 @@ def test_kernels_of_each_lower_level_give_the_same_results(level):
 # elsewhere (x86-64-v3). A CPU with AVX-VNNI runs both: the one its avx2 level does not build is
 # built here by changing the compiler flags in a fresh process.
 CPU = kernel_plan.cpu_info()
+
+
+def built_with(level: str, flags: list[str]) -> str:
+    """Python code to run first in a fresh process, so that it builds ``level`` with ``flags``
+    (and every other level as this machine does)."""
+    return ("import sys; from gemel.layers import kernel_plan as kp; orig = kp.compile_flags; "
+            f"kp.compile_flags = lambda isa, cpu=None: {flags!r} if isa == {level!r} else orig(isa, cpu); ")
+
+
 OWN_AVX2_HAS_VNNI = BEST == "avx2"  # -march=native on a CPU with avx_vnni
 OTHER_AVX2_FLAGS = ["-march=x86-64-v3"] if OWN_AVX2_HAS_VNNI else ["-march=x86-64-v3", "-mavxvnni"]
-OTHER_AVX2_PRELUDE = (
-    "import sys; from gemel.layers import kernel_plan as kp; orig = kp.compile_flags; "
-    f"kp.compile_flags = lambda isa, cpu=None: {OTHER_AVX2_FLAGS!r} if isa == 'avx2' else orig(isa, cpu); "
-)
+OTHER_AVX2_PRELUDE = built_with("avx2", OTHER_AVX2_FLAGS)
 # int8_act_gemm on every kind of code it takes, at row counts that take each tile shape.
 SAME_SUMS_SCRIPT = """
 import sys, torch
@@ -143,10 +149,7 @@ def test_avx2_builds_with_and_without_avx_vnni_give_the_same_results(tmp_path):
 # build (x86-64-v4) takes the AVX2 tiles in int8_act_gemm and the plain AVX-512 loops elsewhere.
 # Any AVX-512 host that has VNNI or BF16 builds the avx512 level with them, so it builds this one
 # here too.
-SKYLAKE_PRELUDE = (
-    "import sys; from gemel.layers import kernel_plan as kp; orig = kp.compile_flags; "
-    "kp.compile_flags = lambda isa, cpu=None: ['-march=x86-64-v4'] if isa == 'avx512' else orig(isa, cpu); "
-)
+SKYLAKE_PRELUDE = built_with("avx512", ["-march=x86-64-v4"])
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
