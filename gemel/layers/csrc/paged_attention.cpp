@@ -568,11 +568,132 @@ inline bool attend_int8_fast(int64_t group, int64_t head_dim, bool scores_pass, 
 }
 #endif
 
+#if defined(GEMEL_ATTENTION_AVX2) && !defined(__AVX512F__)
+// The AVX2 build's loops for int8 rows, laid out as score_keys_grouped and weigh_values_grouped
+// lay out float16 ones: each row's codes widened once for all G query heads of its KV head
+// (the plain loops below widen them once per head, one head at a time), rows fetched
+// kPrefetchKeys ahead and the next decode task's rows in step with the scores (NextRows).
+// SmolLM2's layer at batch 32 and 192 keys, Zen 5 capped at AVX2 (`bench/decode_attention.py`,
+// two alternations), us a layer call: in cache 524-565 -> 134-155, from memory (30 layers'
+// caches in turn) 648-798 -> 159-198, where the float16 cache took 123-207 and 162-242.
+
+// 8 int8 codes as float32 lanes.
+inline __m256 codes8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int G, int K>
+void score_keys_int8_grouped(const float* query, const int8_t* k_cache, const int8_t* v_cache, const int64_t* slots,
+                             int64_t n, int64_t head_dim, float* scores, NextRows* next) {
+  const int64_t row = head_dim + 4;
+  const auto fetch = [&](int64_t at) {
+    prefetch_bytes(k_cache + slots[at] * row, row);
+    if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * row, row);
+  };
+  for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) fetch(t);
+  for (int64_t t = 0; t < n; t += K) {
+    const int m = static_cast<int>(std::min<int64_t>(K, n - t));
+    const int8_t* key[K];
+    for (int i = 0; i < K; ++i) key[i] = k_cache + slots[t + std::min(i, m - 1)] * row;
+    for (int64_t ahead = t + kPrefetchKeys; ahead < std::min(n, t + kPrefetchKeys + K); ++ahead) fetch(ahead);
+    if (next != nullptr) next->keep_up(t + m);
+    __m256 a[G][K];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < K; ++i) a[g][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      __m256 qv[G];
+      for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(query + g * head_dim + d);
+      for (int i = 0; i < K; ++i) {
+        const __m256 kv = codes8(key[i] + d);
+        for (int g = 0; g < G; ++g) a[g][i] = _mm256_fmadd_ps(qv[g], kv, a[g][i]);
+      }
+    }
+    alignas(32) float sums[K];
+    for (int g = 0; g < G; ++g) {
+      store_sums<K>(a[g], sums);
+      for (int i = 0; i < m; ++i) scores[g * n + t + i] = sums[i] * row_scale(key[i], head_dim);
+    }
+  }
+}
+
+// acc[g * head_dim + d] += sum_t probs[g * n + t] * value_t[d] for W vectors (8 W dimensions) at a time.
+template <int G, int W>
+void weigh_values_int8_grouped(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n,
+                               int64_t head_dim, float* acc) {
+  const int64_t row = head_dim + 4;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * W) {
+    __m256 sums[G][W];
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) sums[g][w] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const int8_t* value = v_cache + slots[t] * row;
+      if (d0 == 0 && t + kPrefetchKeys < n) prefetch_bytes(v_cache + slots[t + kPrefetchKeys] * row, row);
+      const float scale = row_scale(value, head_dim);
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * n + t] * scale);
+      for (int w = 0; w < W; ++w) {
+        const __m256 x = codes8(value + d0 + 8 * w);
+        for (int g = 0; g < G; ++g) sums[g][w] = _mm256_fmadd_ps(p[g], x, sums[g][w]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) {
+        float* a = acc + g * head_dim + d0 + 8 * w;
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), sums[g][w]));
+      }
+  }
+}
+
+// The grouped int8 loops for 1-4 query heads per KV head and head sizes in multiples of 8;
+// false where they do not cover (the plain loops then run).
+inline bool score_keys_int8_by_group(const float* query, const int8_t* k_cache, const int8_t* v_cache,
+                                     const int64_t* slots, int64_t n, int64_t group, int64_t head_dim, float* scores,
+                                     NextRows* next) {
+  if (head_dim % 8 != 0) return false;
+  switch (group) {
+    case 1: score_keys_int8_grouped<1, 8>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
+    case 2: score_keys_int8_grouped<2, 4>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
+    case 3: score_keys_int8_grouped<3, 4>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
+    case 4: score_keys_int8_grouped<4, 2>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
+    default: return false;
+  }
+}
+
+inline bool weigh_values_int8_by_group(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n,
+                                       int64_t group, int64_t head_dim, float* acc) {
+  if (head_dim % 8 != 0) return false;
+  const int64_t vectors = head_dim / 8;
+#define GEMEL_WEIGH_INT8(G, W) return weigh_values_int8_grouped<G, W>(probs, v_cache, slots, n, head_dim, acc), true
+  switch (group) {  // at most 12 sums in registers
+    case 1:
+      if (vectors % 8 == 0) GEMEL_WEIGH_INT8(1, 8);
+      if (vectors % 4 == 0) GEMEL_WEIGH_INT8(1, 4);
+      GEMEL_WEIGH_INT8(1, 1);
+    case 2:
+      if (vectors % 4 == 0) GEMEL_WEIGH_INT8(2, 4);
+      GEMEL_WEIGH_INT8(2, 1);
+    case 3:
+      if (vectors % 4 == 0) GEMEL_WEIGH_INT8(3, 4);
+      GEMEL_WEIGH_INT8(3, 1);
+    case 4:
+      if (vectors % 2 == 0) GEMEL_WEIGH_INT8(4, 2);
+      GEMEL_WEIGH_INT8(4, 1);
+    default:
+      return false;
+  }
+#undef GEMEL_WEIGH_INT8
+}
+#endif
+
 // scores[g * n + t] = query_g . key_t (query already scaled), keys as int8 rows.
+// next: the next decode task's rows, asked for in step with this loop (AVX2 builds; may be null).
 inline void score_keys_int8(const float* query, const int8_t* k_cache, const int8_t* v_cache, const int64_t* slots,
-                            int64_t n, int64_t group, int64_t head_dim, float* scores) {
+                            int64_t n, int64_t group, int64_t head_dim, float* scores,
+                            [[maybe_unused]] NextRows* next = nullptr) {
 #if defined(__AVX512F__)
   if (attend_int8_fast(group, head_dim, true, query, k_cache, v_cache, slots, n, scores)) return;
+#elif defined(GEMEL_ATTENTION_AVX2)
+  if (score_keys_int8_by_group(query, k_cache, v_cache, slots, n, group, head_dim, scores, next)) return;
 #endif
   const int64_t row = head_dim + 4;
   for (int64_t t = 0; t < n; ++t) {
@@ -594,6 +715,8 @@ inline void weigh_values_int8(const float* probs, const int8_t* v_cache, const i
                               int64_t group, int64_t head_dim, float* acc) {
 #if defined(__AVX512F__)
   if (attend_int8_fast(group, head_dim, false, probs, v_cache, nullptr, slots, n, acc)) return;
+#elif defined(GEMEL_ATTENTION_AVX2)
+  if (weigh_values_int8_by_group(probs, v_cache, slots, n, group, head_dim, acc)) return;
 #endif
   const int64_t row = head_dim + 4;
   for (int64_t t = 0; t < n; ++t) {
@@ -755,7 +878,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
       row_to_float(q_rows, query.data(), group * head_dim);
       for (int64_t i = 0; i < group * head_dim; ++i) query[i] *= scale;
       if constexpr (kInt8Cache)
-        score_keys_int8(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data());
+        score_keys_int8(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data(), next);
       else
         score_keys(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data(), row.data(), next);
     }
