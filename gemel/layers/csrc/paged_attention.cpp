@@ -71,6 +71,9 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {  // int8 codes (a row's scale is applied after)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 template <typename T>
 constexpr bool kHasLoad8 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
 
@@ -118,6 +121,21 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
   __builtin_prefetch(p + bytes - 1);
 }
+
+// int8 caches (layers/kv_cache.py): each row is head_dim int8 codes, then the row's float32
+// scale; the value is code * scale. Scores and sums are float32 on the decoded values.
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(scale));
+  return scale;
+}
+
+// Cache rows are fetched this many keys ahead of their use: a sequence's context lies in
+// 16-slot blocks scattered over the cache, so the hardware prefetchers see short streams
+// only, and from memory (a decode step reads every layer's cache once) a shorter distance
+// leaves the loop waiting on loads. The first rows of each task are fetched all at once
+// before its loop starts (int8 at 32 x 192: ~7% faster).
+constexpr int64_t kPrefetchKeys = 48;
 
 // Key `at` of a context and its value (none where v_cache is null), asked for ahead of use.
 template <typename T>
@@ -179,17 +197,26 @@ inline void store_sums(const __m256* v, float* out) {
 // float32 once for all G heads, with G x K accumulators in registers. The general loops below
 // widen a row once per head, which made the widening most of their work: with these and
 // weigh_values_grouped, SmolLM2's layer at batch 32 and 170 keys in cache 141-190 -> 115-133
-// us (float16 rows, a Zen 5 capped at AVX2, runs alternated).
+// us (float16 rows, a Zen 5 capped at AVX2, runs alternated). The AVX2 build's int8 rows
+// (T = int8_t: codes, then the row's scale) take the same loops, fetched kPrefetchKeys ahead;
+// before, it ran the general loops: SmolLM2's layer at 32 x 192 keys from memory 648-798 ->
+// 159-198 us, where the float16 cache took 162-242 (`bench/decode_attention.py`, 2026-12-04).
 template <int G, int K, typename T>
 void score_keys_grouped(const float* query, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t n,
                         int64_t head_dim, float* scores, NextRows* next) {
-  const auto fetch = [&](int64_t at) { prefetch_key_value(k_cache, v_cache, slots, at, head_dim); };
-  for (int64_t t = 0; t < std::min<int64_t>(n, kAvx2AheadKeys); ++t) fetch(t);
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  constexpr int64_t kAhead = kInt8 ? kPrefetchKeys : kAvx2AheadKeys;
+  const int64_t row = head_dim + (kInt8 ? 4 : 0), row_bytes = row * static_cast<int64_t>(sizeof(T));
+  const auto fetch = [&](int64_t at) {
+    prefetch_bytes(k_cache + slots[at] * row, row_bytes);
+    if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * row, row_bytes);
+  };
+  for (int64_t t = 0; t < std::min<int64_t>(n, kAhead); ++t) fetch(t);
   int64_t t = 0;
   for (; t + K <= n; t += K) {
     const T* key[K];
-    for (int i = 0; i < K; ++i) key[i] = k_cache + slots[t + i] * head_dim;
-    for (int64_t ahead = t + kAvx2AheadKeys; ahead < std::min(n, t + kAvx2AheadKeys + K); ++ahead) fetch(ahead);
+    for (int i = 0; i < K; ++i) key[i] = k_cache + slots[t + i] * row;
+    for (int64_t ahead = t + kAhead; ahead < std::min(n, t + kAhead + K); ++ahead) fetch(ahead);
     if (next != nullptr) next->keep_up(t + K);
     __m256 a[G][K];
     for (int g = 0; g < G; ++g)
@@ -202,33 +229,45 @@ void score_keys_grouped(const float* query, const T* k_cache, const T* v_cache, 
         for (int g = 0; g < G; ++g) a[g][i] = _mm256_fmadd_ps(qv[g], kv, a[g][i]);
       }
     }
-    for (int g = 0; g < G; ++g) store_sums<K>(a[g], scores + g * n + t);
+    for (int g = 0; g < G; ++g) {
+      store_sums<K>(a[g], scores + g * n + t);
+      if constexpr (kInt8)
+        for (int i = 0; i < K; ++i) scores[g * n + t + i] *= row_scale(key[i], head_dim);
+    }
   }
   for (; t < n; ++t) {
-    const T* key = k_cache + slots[t] * head_dim;
+    const T* key = k_cache + slots[t] * row;
     __m256 a[G];
     for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 8) {
       const __m256 kv = load8(key + d);
       for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(query + g * head_dim + d), kv, a[g]);
     }
-    for (int g = 0; g < G; ++g) scores[g * n + t] = sum8(a[g]);
+    for (int g = 0; g < G; ++g) {
+      scores[g * n + t] = sum8(a[g]);
+      if constexpr (kInt8) scores[g * n + t] *= row_scale(key, head_dim);
+    }
   }
 }
 
 // weigh_values for G query heads per KV head, W vectors (8 W dimensions) of the head at a
 // time: each value row's slice is widened once for all G heads, G x W sums in registers.
+// int8 rows (T = int8_t) weigh each row's codes by its probability times its scale.
 template <int G, int W, typename T>
 void weigh_values_grouped(const float* probs, const T* v_cache, const int64_t* slots, int64_t n, int64_t head_dim,
                           float* acc) {
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  const int64_t row = head_dim + (kInt8 ? 4 : 0);
   for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * W) {
     __m256 s[G][W];
     for (int g = 0; g < G; ++g)
       for (int w = 0; w < W; ++w) s[g][w] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      const T* value = v_cache + slots[t] * head_dim + d0;
+      const T* value = v_cache + slots[t] * row + d0;
+      float scale = 1.f;
+      if constexpr (kInt8) scale = row_scale(value - d0, head_dim);
       __m256 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * n + t]);
+      for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(kInt8 ? probs[g * n + t] * scale : probs[g * n + t]);
       for (int w = 0; w < W; ++w) {
         const __m256 v = load8(value + 8 * w);
         for (int g = 0; g < G; ++g) s[g][w] = _mm256_fmadd_ps(p[g], v, s[g][w]);
@@ -435,21 +474,6 @@ inline void weigh_values(const float* probs, const T* v_cache, const int64_t* sl
   }
 }
 
-// int8 caches (layers/kv_cache.py): each row is head_dim int8 codes, then the row's float32
-// scale; the value is code * scale. Scores and sums are float32 on the decoded values.
-inline float row_scale(const int8_t* row, int64_t head_dim) {
-  float scale;
-  std::memcpy(&scale, row + head_dim, sizeof(scale));
-  return scale;
-}
-
-// Cache rows are fetched this many keys ahead of their use: a sequence's context lies in
-// 16-slot blocks scattered over the cache, so the hardware prefetchers see short streams
-// only, and from memory (a decode step reads every layer's cache once) a shorter distance
-// leaves the loop waiting on loads. The first rows of each task are fetched all at once
-// before its loop starts (int8 at 32 x 192: ~7% faster).
-constexpr int64_t kPrefetchKeys = 48;
-
 // A 68-byte int8 row can straddle two cache lines.
 inline void prefetch_row(const int8_t* row) { prefetch_bytes(row, 68); }
 
@@ -568,123 +592,6 @@ inline bool attend_int8_fast(int64_t group, int64_t head_dim, bool scores_pass, 
 }
 #endif
 
-#if defined(GEMEL_ATTENTION_AVX2) && !defined(__AVX512F__)
-// The AVX2 build's loops for int8 rows, laid out as score_keys_grouped and weigh_values_grouped
-// lay out float16 ones: each row's codes widened once for all G query heads of its KV head
-// (the plain loops below widen them once per head, one head at a time), rows fetched
-// kPrefetchKeys ahead and the next decode task's rows in step with the scores (NextRows).
-// SmolLM2's layer at batch 32 and 192 keys, Zen 5 capped at AVX2 (`bench/decode_attention.py`,
-// two alternations), us a layer call: in cache 524-565 -> 134-155, from memory (30 layers'
-// caches in turn) 648-798 -> 159-198, where the float16 cache took 123-207 and 162-242.
-
-// 8 int8 codes as float32 lanes.
-inline __m256 codes8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-template <int G, int K>
-void score_keys_int8_grouped(const float* query, const int8_t* k_cache, const int8_t* v_cache, const int64_t* slots,
-                             int64_t n, int64_t head_dim, float* scores, NextRows* next) {
-  const int64_t row = head_dim + 4;
-  const auto fetch = [&](int64_t at) {
-    prefetch_bytes(k_cache + slots[at] * row, row);
-    if (v_cache != nullptr) prefetch_bytes(v_cache + slots[at] * row, row);
-  };
-  for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) fetch(t);
-  for (int64_t t = 0; t < n; t += K) {
-    const int m = static_cast<int>(std::min<int64_t>(K, n - t));
-    const int8_t* key[K];
-    for (int i = 0; i < K; ++i) key[i] = k_cache + slots[t + std::min(i, m - 1)] * row;
-    for (int64_t ahead = t + kPrefetchKeys; ahead < std::min(n, t + kPrefetchKeys + K); ++ahead) fetch(ahead);
-    if (next != nullptr) next->keep_up(t + m);
-    __m256 a[G][K];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < K; ++i) a[g][i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      __m256 qv[G];
-      for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(query + g * head_dim + d);
-      for (int i = 0; i < K; ++i) {
-        const __m256 kv = codes8(key[i] + d);
-        for (int g = 0; g < G; ++g) a[g][i] = _mm256_fmadd_ps(qv[g], kv, a[g][i]);
-      }
-    }
-    alignas(32) float sums[K];
-    for (int g = 0; g < G; ++g) {
-      store_sums<K>(a[g], sums);
-      for (int i = 0; i < m; ++i) scores[g * n + t + i] = sums[i] * row_scale(key[i], head_dim);
-    }
-  }
-}
-
-// acc[g * head_dim + d] += sum_t probs[g * n + t] * value_t[d] for W vectors (8 W dimensions) at a time.
-template <int G, int W>
-void weigh_values_int8_grouped(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n,
-                               int64_t head_dim, float* acc) {
-  const int64_t row = head_dim + 4;
-  for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * W) {
-    __m256 sums[G][W];
-    for (int g = 0; g < G; ++g)
-      for (int w = 0; w < W; ++w) sums[g][w] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const int8_t* value = v_cache + slots[t] * row;
-      if (d0 == 0 && t + kPrefetchKeys < n) prefetch_bytes(v_cache + slots[t + kPrefetchKeys] * row, row);
-      const float scale = row_scale(value, head_dim);
-      __m256 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * n + t] * scale);
-      for (int w = 0; w < W; ++w) {
-        const __m256 x = codes8(value + d0 + 8 * w);
-        for (int g = 0; g < G; ++g) sums[g][w] = _mm256_fmadd_ps(p[g], x, sums[g][w]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int w = 0; w < W; ++w) {
-        float* a = acc + g * head_dim + d0 + 8 * w;
-        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), sums[g][w]));
-      }
-  }
-}
-
-// The grouped int8 loops for 1-4 query heads per KV head and head sizes in multiples of 8;
-// false where they do not cover (the plain loops then run).
-inline bool score_keys_int8_by_group(const float* query, const int8_t* k_cache, const int8_t* v_cache,
-                                     const int64_t* slots, int64_t n, int64_t group, int64_t head_dim, float* scores,
-                                     NextRows* next) {
-  if (head_dim % 8 != 0) return false;
-  switch (group) {
-    case 1: score_keys_int8_grouped<1, 8>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
-    case 2: score_keys_int8_grouped<2, 4>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
-    case 3: score_keys_int8_grouped<3, 4>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
-    case 4: score_keys_int8_grouped<4, 2>(query, k_cache, v_cache, slots, n, head_dim, scores, next); return true;
-    default: return false;
-  }
-}
-
-inline bool weigh_values_int8_by_group(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n,
-                                       int64_t group, int64_t head_dim, float* acc) {
-  if (head_dim % 8 != 0) return false;
-  const int64_t vectors = head_dim / 8;
-#define GEMEL_WEIGH_INT8(G, W) return weigh_values_int8_grouped<G, W>(probs, v_cache, slots, n, head_dim, acc), true
-  switch (group) {  // at most 12 sums in registers
-    case 1:
-      if (vectors % 8 == 0) GEMEL_WEIGH_INT8(1, 8);
-      if (vectors % 4 == 0) GEMEL_WEIGH_INT8(1, 4);
-      GEMEL_WEIGH_INT8(1, 1);
-    case 2:
-      if (vectors % 4 == 0) GEMEL_WEIGH_INT8(2, 4);
-      GEMEL_WEIGH_INT8(2, 1);
-    case 3:
-      if (vectors % 4 == 0) GEMEL_WEIGH_INT8(3, 4);
-      GEMEL_WEIGH_INT8(3, 1);
-    case 4:
-      if (vectors % 2 == 0) GEMEL_WEIGH_INT8(4, 2);
-      GEMEL_WEIGH_INT8(4, 1);
-    default:
-      return false;
-  }
-#undef GEMEL_WEIGH_INT8
-}
-#endif
-
 // scores[g * n + t] = query_g . key_t (query already scaled), keys as int8 rows.
 // next: the next decode task's rows, asked for in step with this loop (AVX2 builds; may be null).
 inline void score_keys_int8(const float* query, const int8_t* k_cache, const int8_t* v_cache, const int64_t* slots,
@@ -693,7 +600,7 @@ inline void score_keys_int8(const float* query, const int8_t* k_cache, const int
 #if defined(__AVX512F__)
   if (attend_int8_fast(group, head_dim, true, query, k_cache, v_cache, slots, n, scores)) return;
 #elif defined(GEMEL_ATTENTION_AVX2)
-  if (score_keys_int8_by_group(query, k_cache, v_cache, slots, n, group, head_dim, scores, next)) return;
+  if (score_keys_by_group(query, k_cache, v_cache, slots, n, group, head_dim, scores, next)) return;
 #endif
   const int64_t row = head_dim + 4;
   for (int64_t t = 0; t < n; ++t) {
@@ -716,7 +623,7 @@ inline void weigh_values_int8(const float* probs, const int8_t* v_cache, const i
 #if defined(__AVX512F__)
   if (attend_int8_fast(group, head_dim, false, probs, v_cache, nullptr, slots, n, acc)) return;
 #elif defined(GEMEL_ATTENTION_AVX2)
-  if (weigh_values_int8_by_group(probs, v_cache, slots, n, group, head_dim, acc)) return;
+  if (weigh_values_by_group(probs, v_cache, slots, n, group, head_dim, acc)) return;
 #endif
   const int64_t row = head_dim + 4;
   for (int64_t t = 0; t < n; ++t) {
