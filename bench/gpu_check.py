@@ -211,7 +211,7 @@ def _sync(device: str) -> None:
 
 
 def throughput(device: str, work: str, batches: list[int], input_len: int, output_len: int,
-               hf_batch: int | None) -> list[dict]:
+               hf_batch: int | None, compile_up_to: int = 0) -> list[dict]:
     from gemel import LLM, SamplingParams
 
     directory = make_smollm2_shaped(os.path.join(work, "smollm2-shaped"))
@@ -219,7 +219,8 @@ def throughput(device: str, work: str, batches: list[int], input_len: int, outpu
     largest = max(batches)
     llm = LLM(directory, device=device, dtype="bfloat16" if device == "cuda" else "auto",
               max_num_seqs=largest, max_num_batched_tokens=max(2048, input_len * min(largest, 64)),
-              kv_cache_memory_mb=8192 if device == "cuda" else 2048)
+              kv_cache_memory_mb=8192 if device == "cuda" else 2048,
+              compile=compile_up_to > 0, compile_max_batch_size=max(compile_up_to, 1))
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=_prompts(2, (16,), 49152, 0), sampling_params=SamplingParams(max_tokens=4),
                  use_tqdm=False)
@@ -231,7 +232,7 @@ def throughput(device: str, work: str, batches: list[int], input_len: int, outpu
         _sync(device)
         elapsed = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"engine": "gemel", "batch": batch, "output_tok_s": round(produced / elapsed, 1),
+        rows.append({"engine": "gemel" + (f" compiled to batch {compile_up_to}" if compile_up_to else ""), "batch": batch, "output_tok_s": round(produced / elapsed, 1),
                      "wall_s": round(elapsed, 2)})
         print(rows[-1], flush=True)
     del llm
@@ -308,6 +309,8 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=None, help="transformers' batch (0 to skip)")
     ap.add_argument("--steps", type=int, default=24, help="greedy tokens per prompt in the correctness checks")
     ap.add_argument("--skip", choices=["correctness", "throughput"], default=None)
+    ap.add_argument("--compile-up-to", type=int, default=0,
+                    help="engine.compile for decode steps up to this batch (0: eager, the default)")
     ap.add_argument("--profile", action="store_true", help="then profile decode steps at each batch size")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -328,7 +331,7 @@ def main() -> int:
         if args.skip != "throughput":
             t = time.perf_counter()
             report["throughput"] = _guarded_rows(throughput, args.device, work, batches, args.input_len, output_len,
-                                                 hf_batch)
+                                                 hf_batch, args.compile_up_to)
             print(f"\n## throughput, {args.input_len} in / {output_len} out ({time.perf_counter() - t:.0f} s)\n"
                   + _table(report["throughput"]), flush=True)
         if args.profile:
