@@ -51,62 +51,6 @@ def _prompts(n: int, length_choices, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.choice(length_choices))] for _ in range(n)]
 
 
-def write_q8_gguf(hf_dir: str, path: str) -> str:
-    """The tiny Llama's weights as a GGUF file with Q8_0 projections (float32 norms), in
-    llama.cpp's converter's layout (q/k rows permuted for its rotary convention)."""
-    import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
-    from tokenizers import Tokenizer
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    theta = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
-    writer.add_rope_freq_base(theta)
-    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    writer.add_vocab_size(cfg["vocab_size"])
-    tokenizer_file = os.path.join(hf_dir, "tokenizer.json")
-    vocab = Tokenizer.from_file(tokenizer_file).get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])])
-    writer.add_eos_token_id(cfg.get("eos_token_id") or 2)
-    with open(tokenizer_file) as f:
-        writer.add_string("tokenizer.huggingface.json", f.read())
-
-    def permute(w, n_head):  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        if name.endswith("q_proj.weight"):
-            tensor = permute(tensor, heads)
-        elif name.endswith("k_proj.weight"):
-            tensor = permute(tensor, kv_heads)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
-        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(gguf_name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def _greedy(llm, prompts, max_tokens: int) -> list[list[int]]:
     from gemel import SamplingParams
 
@@ -172,6 +116,7 @@ def check_model(name: str, source: str, device: str, hf_dir: str | None, steps: 
 
 def correctness(device: str, work: str, steps: int) -> list[dict]:
     import conftest
+    from parity import write_gguf
 
     rows = []
     makers = [("llama", conftest.make_tiny_llama), ("gemma3", conftest.make_tiny_gemma3),
@@ -180,7 +125,8 @@ def correctness(device: str, work: str, steps: int) -> list[dict]:
         directory = make(os.path.join(work, f"tiny-{name}"))
         rows.append(_guarded(check_model, f"tiny {name}", directory, device, directory, steps))
         if name == "llama":
-            gguf_path = write_q8_gguf(directory, os.path.join(work, "tiny-llama-q8_0.gguf"))
+            gguf_path = write_gguf(directory, os.path.join(work, "tiny-llama-q8_0.gguf"), "llama", permute_qk=True,
+                                   q8_0=True)
             rows.append(_guarded(check_model, "tiny llama Q8_0 GGUF", gguf_path, device, None, steps))
     return rows
 

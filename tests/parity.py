@@ -114,3 +114,59 @@ def check_greedy(
         f"gemel logits {float(mine[a]):.5f}/{float(mine[b]):.5f}, HF {float(ref[a]):.5f}/{float(ref[b]):.5f}"
     )
     return ParityResult(index, False, j)
+
+
+def write_gguf(hf_dir: str, path: str, architecture: str, permute_qk: bool = False, q8_0: bool = False) -> str:
+    """A tiny Hugging Face checkpoint as a GGUF file laid out as llama.cpp's converter lays it
+    out: the ``gguf`` package's own tensor-name map (not gemel's), the architecture's metadata
+    keys, tokenizer.json embedded. ``permute_qk``: q/k rows permuted for llama.cpp's rotary
+    convention, as the converter does for Llama (not for Qwen2). ``q8_0``: every matrix whose
+    rows are whole groups of 32 stored as Q8_0 blocks (the rest float32)."""
+    import json
+    import os
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], cfg["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    tokenizer_file = os.path.join(hf_dir, "tokenizer.json")
+    vocab = Tokenizer.from_file(tokenizer_file).get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])])
+    with open(tokenizer_file) as f:
+        writer.add_string("tokenizer.huggingface.json", f.read())
+
+    def permute(w, n_head):  # llama.cpp's convert_hf_to_gguf.py, LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = permute(tensor, heads if name.endswith("q_proj.weight") else kv_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        if q8_0 and tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(tensor, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

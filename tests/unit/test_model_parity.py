@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 import pytest
 import torch
-from parity import check_greedy, hf_greedy, hf_logits
+from parity import check_greedy, hf_greedy, hf_logits, write_gguf
 
 from gemel import LLM, SamplingParams
 from gemel.loader import model_loader
@@ -71,51 +69,12 @@ def test_sliding_window_is_applied(tiny_gemma3_dir):
     assert (wrong[10:] - hf_logits(hf, ids)[10:]).abs().max() > 1e-2
 
 
-def _write_qwen2_gguf(hf_dir: str, path: str) -> str:
-    """The tiny Qwen2 checkpoint as a float32 GGUF file laid out as llama.cpp's converter lays it
-    out: the ``gguf`` package's own tensor-name map (not gemel's), the architecture's metadata
-    keys, q/k rows as they are (the converter permutes Llama's only), tokenizer.json embedded."""
-    import gguf
-    from safetensors.numpy import load_file
-    from tokenizers import Tokenizer
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg["num_hidden_layers"])
-    writer = gguf.GGUFWriter(path, "qwen2")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    tokenizer_file = os.path.join(hf_dir, "tokenizer.json")
-    vocab = Tokenizer.from_file(tokenizer_file).get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])])
-    with open(tokenizer_file) as f:
-        writer.add_string("tokenizer.huggingface.json", f.read())
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_qwen2_gguf_close_to_transformers(tiny_qwen2_dir, tmp_path):
     """The same Qwen2 weights read from GGUF: the q/k/v biases are found among the tensors and
     the q/k rows are taken as stored."""
     from transformers import AutoModelForCausalLM
 
-    path = _write_qwen2_gguf(tiny_qwen2_dir, str(tmp_path / "tiny-qwen2.gguf"))
+    path = write_gguf(tiny_qwen2_dir, str(tmp_path / "tiny-qwen2.gguf"), "qwen2")
     assert not model_loader.stores_weight_groups(path)  # float tensors: dtype auto keeps bf16 where native
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=256)
