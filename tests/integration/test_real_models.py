@@ -91,8 +91,13 @@ def test_greedy_matches_transformers(reference: Reference, dtype: str):
 # per group of 32 (llama.cpp's arithmetic) moves logits by a few hundredths; bf16 by more.
 PATHS = {
     # the AVX2 CPU class's plan, which AVX-512 CPUs without AMX also run by default: float32
-    # chosen automatically, every projection on int8_act_gemm (this process's kernel build)
-    "avx2-int8": (dict(cpu_isa="avx2"), 0.5, 0.2),
+    # chosen automatically, every projection on int8_act_gemm (this process's kernel build).
+    # Rounding x to int8 moves a position's log-probabilities by up to about 0.5 (Gemma 3's
+    # emoji prompt at step 15: 0.49 in the kernels built for a Zen 2 itself, 0.29 in the same
+    # kernels built for generic x86-64-v3, whose float sums round differently), so two
+    # candidates can swap where the reference separates them by up to twice that: there the
+    # reference's gap was 0.595 and the native build's token differed.
+    "avx2-int8": (dict(cpu_isa="avx2"), 1.0, 0.2),
     # bf16 where the CPU computes it natively: the weight-only kernels and the bf16 GEMM
     "bf16": (dict(dtype="bfloat16"), 0.25, 0.15),
 }
