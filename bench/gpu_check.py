@@ -129,32 +129,42 @@ def correctness(device: str, work: str, steps: int) -> list[dict]:
               ("qwen2", conftest.make_tiny_qwen2)]
     for name, make in makers:
         directory = make(os.path.join(work, f"tiny-{name}"))
-        rows.append(_guarded(check_model, f"tiny {name}", directory, device, directory, steps))
+        rows.append(_guarded(check_model, f"tiny {name}", directory, device, directory, steps,
+                             label={"model": f"tiny {name}"}))
         if name == "llama":
             gguf_path = write_gguf(directory, os.path.join(work, "tiny-llama-q8_0.gguf"), "llama", permute_qk=True,
                                    q8_0=True)
-            rows.append(_guarded(check_model, "tiny llama Q8_0 GGUF", gguf_path, device, None, steps))
+            rows.append(_guarded(check_model, "tiny llama Q8_0 GGUF", gguf_path, device, None, steps,
+                                 label={"model": "tiny llama Q8_0 GGUF"}))
     return rows
 
 
-def _guarded(fn, name, *args) -> dict:
+def _guarded(fn, *args, label: dict):
+    """fn(*args), or on an exception ``label`` with the error: one broken path must not hide
+    the others' numbers."""
     try:
-        return fn(name, *args)
-    except Exception as exc:  # keep going: one broken path must not hide the others' numbers
+        return fn(*args)
+    except Exception as exc:
         traceback.print_exc()
-        return {"model": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {**label, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def make_smollm2_shaped(directory: str) -> str:
+def smollm2_shaped(work: str) -> str:
+    """A SmolLM2-135M-shaped Llama with random bf16 weights under ``work`` (made once)."""
     import conftest
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**SMOLLM2_SHAPE, eos_token_id=2, bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(directory, safe_serialization=True)
-    conftest._write_tokenizer(directory)
+    directory = os.path.join(work, "smollm2-shaped")
+    if not os.path.exists(directory):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE, eos_token_id=2, bos_token_id=None)).to(torch.bfloat16)
+        model.save_pretrained(directory, safe_serialization=True)
+        conftest._write_tokenizer(directory)
     return directory
+
+
+def _engine_dtype(device: str) -> str:
+    return "bfloat16" if device == "cuda" else "auto"
 
 
 def _sync(device: str) -> None:
@@ -166,25 +176,26 @@ def throughput(device: str, work: str, batches: list[int], input_len: int, outpu
                hf_batch: int | None, compile_up_to: int = 0) -> list[dict]:
     from gemel import LLM, SamplingParams
 
-    directory = make_smollm2_shaped(os.path.join(work, "smollm2-shaped"))
+    directory = smollm2_shaped(work)
+    vocab = SMOLLM2_SHAPE["vocab_size"]
     rows = []
     largest = max(batches)
-    llm = LLM(directory, device=device, dtype="bfloat16" if device == "cuda" else "auto",
-              max_num_seqs=largest, max_num_batched_tokens=max(2048, input_len * min(largest, 64)),
+    llm = LLM(directory, device=device, dtype=_engine_dtype(device), max_num_seqs=largest, max_num_batched_tokens=max(2048, input_len * min(largest, 64)),
               kv_cache_memory_mb=8192 if device == "cuda" else 2048,
               compile=compile_up_to > 0, compile_max_batch_size=max(compile_up_to, 1))
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompt_token_ids=_prompts(2, (16,), 49152, 0), sampling_params=SamplingParams(max_tokens=4),
+    llm.generate(prompt_token_ids=_prompts(2, (16,), vocab, 0), sampling_params=SamplingParams(max_tokens=4),
                  use_tqdm=False)
     for batch in batches:
-        prompts = _prompts(batch, (input_len,), 49152, seed=batch)
+        prompts = _prompts(batch, (input_len,), vocab, seed=batch)
         _sync(device)
         start = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         _sync(device)
         elapsed = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"engine": "gemel" + (f" compiled to batch {compile_up_to}" if compile_up_to else ""), "batch": batch, "output_tok_s": round(produced / elapsed, 1),
+        engine = f"gemel compiled to batch {compile_up_to}" if compile_up_to else "gemel"
+        rows.append({"engine": engine, "batch": batch, "output_tok_s": round(produced / elapsed, 1),
                      "wall_s": round(elapsed, 2)})
         print(rows[-1], flush=True)
     del llm
@@ -193,7 +204,7 @@ def throughput(device: str, work: str, batches: list[int], input_len: int, outpu
 
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
-        ids = torch.tensor(_prompts(hf_batch, (input_len,), 49152, seed=hf_batch), device=device)
+        ids = torch.tensor(_prompts(hf_batch, (input_len,), vocab, seed=hf_batch), device=device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():
             hf.generate(ids[:1, :16], attention_mask=mask[:1, :16], max_new_tokens=2, do_sample=False)
@@ -217,13 +228,10 @@ def profile_decode(device: str, work: str, batches: list[int], steps: int = 16) 
 
     from gemel import LLM, SamplingParams
 
-    directory = os.path.join(work, "smollm2-shaped")
-    if not os.path.exists(directory):
-        make_smollm2_shaped(directory)
-    llm = LLM(directory, device=device, dtype="bfloat16" if device == "cuda" else "auto", max_num_seqs=max(batches))
+    llm = LLM(smollm2_shaped(work), device=device, dtype=_engine_dtype(device), max_num_seqs=max(batches))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for batch in batches:
-        prompts = _prompts(batch, (32,), 49152, seed=7)
+        prompts = _prompts(batch, (32,), SMOLLM2_SHAPE["vocab_size"], seed=7)
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         _sync(device)
@@ -282,8 +290,9 @@ def main() -> int:
             print(f"\n## correctness ({time.perf_counter() - t:.0f} s)\n" + _table(report["correctness"]), flush=True)
         if args.skip != "throughput":
             t = time.perf_counter()
-            report["throughput"] = _guarded_rows(throughput, args.device, work, batches, args.input_len, output_len,
-                                                 hf_batch, args.compile_up_to)
+            rows = _guarded(throughput, args.device, work, batches, args.input_len, output_len, hf_batch,
+                            args.compile_up_to, label={"engine": "gemel"})
+            report["throughput"] = [rows] if isinstance(rows, dict) else rows
             print(f"\n## throughput, {args.input_len} in / {output_len} out ({time.perf_counter() - t:.0f} s)\n"
                   + _table(report["throughput"]), flush=True)
         if args.profile:
@@ -294,14 +303,6 @@ def main() -> int:
     rows = report.get("correctness", []) + report.get("throughput", [])
     failed = any("error" in r or r.get("ok") is False for r in rows)
     return 1 if failed else 0
-
-
-def _guarded_rows(fn, *args) -> list[dict]:
-    try:
-        return fn(*args)
-    except Exception as exc:
-        traceback.print_exc()
-        return [{"engine": "gemel", "error": f"{type(exc).__name__}: {exc}"[:300]}]
 
 
 if __name__ == "__main__":
