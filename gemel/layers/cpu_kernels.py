@@ -197,6 +197,10 @@ def _register_fake() -> None:
     def _(x, codes, d, low, out_features, gated=False, zero_point=0):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("gemel::embedding_rows")
+    def _(codes, scale, ids, rows):
+        return codes.new_empty(*ids.shape, codes.shape[1] * 32, dtype=torch.float32)
+
     @torch.library.register_fake("gemel::argmax_rows")
     def _(logits):
         return logits.new_empty(logits.shape[0], dtype=torch.long)

@@ -101,15 +101,12 @@ class Linear(nn.Module):
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, read from int8_act_gemm's packed codes: the values the
         dense table held (each code times its group's scale), without keeping that table (Gemma 3's
-        262,144 x 640 in float32 is 671 MB; its Q8_0 codes, which the LM head reads anyway, 168)."""
+        262,144 x 640 in float32 is 671 MB; its Q8_0 codes, which the LM head reads anyway, 168).
+        One C++ call (the codes exist only where the kernels are loaded); an id outside the
+        vocabulary raises."""
         codes, scale = self._int8_act_args[:2]
-        blocks, groups = codes.shape[:2]
-        flat = ids.reshape(-1)
-        block, lane = flat // 16, flat % 16
-        # pack_group_codes: [blocks, groups, 8 vectors, 16 rows, 4 codes], codes as q + 128
-        q = codes.view(blocks, groups, 8, 16, 4)[block, :, :, lane, :].reshape(len(flat), groups, 32)
-        rows = (q.to(torch.int16) - 128).float() * scale[block, :, lane].float()[..., None]
-        return rows.view(*ids.shape, groups * 32).to(self.embedding_dtype or torch.float32)
+        rows = torch.ops.gemel.embedding_rows(codes, scale, ids, self.int8_act_out_features)
+        return rows if self.embedding_dtype in (None, torch.float32) else rows.to(self.embedding_dtype)
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":

@@ -322,6 +322,21 @@ def test_a_tied_head_on_8_bit_codes_serves_the_token_lookups_exactly(vocab, dtyp
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="needs the C++ kernels")
+@pytest.mark.parametrize("half", [True, False])
+def test_token_lookups_on_8_bit_codes_refuse_rows_past_the_vocabulary(half):
+    groups = _int8_groups(37, 64, seed=5, half=half)
+    model = _TiedModel(groups, torch.float32)
+    table = model.embed_tokens.detach().clone()
+    quantize_model_(model, "none", 0, int8_activations=True)
+    assert share_tied_table_(model)
+    ids = torch.tensor([36, 0, 17], dtype=torch.int32)
+    assert torch.equal(model.lm_head.embedding_rows(ids), table[ids.long()])
+    for bad in (37, 47, -1):  # 37-47: the zero rows that pad the last block of 16
+        with pytest.raises(RuntimeError, match="out of range"):
+            model.lm_head.embedding_rows(torch.tensor([0, bad]))
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="needs the C++ kernels")
 def test_a_tied_head_on_4_bit_codes_keeps_the_table():
     model = _TiedModel(_int4_groups(40, 64, seed=3), torch.float32)
     quantize_model_(model, "none", 0, int8_activations=True)
