@@ -43,7 +43,7 @@ struct Data {
   std::vector<float> unit, code_sum, d, low;
   std::vector<int32_t> zero_sum;
   std::vector<uint8_t> w;  // one output block's codes, 512 bytes a group (the 4-bit tiles use 256)
-  std::vector<float> y;
+  mutable std::vector<float> y;  // the tiles' output, written through a const Data
   explicit Data(int64_t k) : in_features(k), groups(k / kGroup) {
     x.resize(kRows * k);
     for (auto& v : x) v = static_cast<int8_t>(std::rand() % 255 - 127);
@@ -97,7 +97,7 @@ __attribute__((noinline)) void tile4(const Data& a, int half) {
         acc[r] = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(acc[r]), dot[r]));
     }
   }
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(const_cast<float*>(a.y.data()) + r * 16 + half * 8, acc[r]);
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(a.y.data() + r * 16 + half * 8, acc[r]);
 }
 
 // How the 8-bit tile gives x the weight's sign (kSign), or leaves it (timing what that costs);
@@ -161,7 +161,7 @@ __attribute__((noinline)) void tile8(const Data& a, int half) {
         acc[r] = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(acc[r]), dot[r]));
     }
   }
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(const_cast<float*>(a.y.data()) + r * 16 + half * 8, acc[r]);
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(a.y.data() + r * 16 + half * 8, acc[r]);
 }
 
 // Cycles per row and group: the median of 5 timings of `calls` calls.

@@ -106,7 +106,7 @@ class Linear(nn.Module):
         vocabulary raises."""
         codes, scale = self._int8_act_args[:2]
         rows = torch.ops.gemel.embedding_rows(codes, scale, ids, self.int8_act_out_features)
-        return rows if self.embedding_dtype in (None, torch.float32) else rows.to(self.embedding_dtype)
+        return rows.to(self.embedding_dtype or torch.float32)  # no copy when already float32
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
