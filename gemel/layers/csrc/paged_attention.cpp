@@ -154,18 +154,23 @@ constexpr int64_t kAvx2AheadKeys = 16;
 #endif
 
 // The next decode task's key and value rows, asked for into L2 in step with the current task's
-// scoring loop (keep_up after each step), so that the next task finds them there. All at once
-// at the start of a task they held the core up instead: it can only have so many misses in
-// flight (SmolLM2's layer at batch 32 from memory, AVX2: 296 against 165 us).
+// loops (keep_up after each step), so that the next task finds them there. All at once at the
+// start of a task they held the core up instead: it can only have so many misses in flight
+// (SmolLM2's layer at batch 32 from memory, AVX2: 296 against 165 us). Spread over the scoring
+// pass alone, they left the memory idle while the values were weighed and crowded the misses
+// into the scores: spread over both passes, a layer at batch 32 and 192 keys from memory took
+// 429-443 against 463-488 us (SmolLM2) and 529-540 against 591 (Gemma 3) on an AMD Zen 2.
 struct NextRows {
   const char* k_head = nullptr;
   const char* v_head = nullptr;
   const int64_t* slots = nullptr;
   int64_t n = 0, fetched = 0, row_bytes = 0;
-  int64_t current = 0;  // keys of the task running now
+  float share = 0.f;  // the next task's rows per step of the current one
 
-  // The current task has scored `done` of its keys: ask for as large a share of the next's.
-  void keep_up(int64_t done) { fetch_to(current > 0 ? (n * done + current - 1) / current : n); }
+  // The current task has `steps` steps: its keys scored, then its values weighed.
+  void start(int64_t steps) { share = steps > 0 ? static_cast<float>(n) / static_cast<float>(steps) : 0.f; }
+  // The current task has done `done` of its steps: ask for as large a share of the next's rows.
+  void keep_up(int64_t done) { fetch_to(static_cast<int64_t>(static_cast<float>(done) * share) + 1); }
 
   void fetch_to(int64_t end) {
     for (end = std::min(n, end); fetched < end; ++fetched) {
@@ -255,10 +260,12 @@ void score_keys_grouped(const float* query, const T* k_cache, const T* v_cache, 
 // int8 rows (T = int8_t) weigh each row's codes by its probability times its scale.
 template <int G, int W, typename T>
 void weigh_values_grouped(const float* probs, const T* v_cache, const int64_t* slots, int64_t n, int64_t head_dim,
-                          float* acc) {
+                          float* acc, NextRows* next = nullptr) {
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   const int64_t row = head_dim + (kInt8 ? 4 : 0);
+  const int64_t passes = head_dim / (8 * W);
   for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * W) {
+    if (next != nullptr) next->keep_up(n + n * (d0 / (8 * W) + 1) / passes);
     __m256 s[G][W];
     for (int g = 0; g < G; ++g)
       for (int w = 0; w < W; ++w) s[g][w] = _mm256_setzero_ps();
@@ -298,23 +305,23 @@ bool score_keys_by_group(const float* query, const T* k_cache, const T* v_cache,
 
 template <typename T>
 bool weigh_values_by_group(const float* probs, const T* v_cache, const int64_t* slots, int64_t n, int64_t group,
-                           int64_t head_dim, float* acc) {
+                           int64_t head_dim, float* acc, NextRows* next = nullptr) {
   if (head_dim % 8 != 0) return false;
   const int64_t vectors = head_dim / 8;
   switch (group) {
     case 1:
-      if (vectors % 8 == 0) return weigh_values_grouped<1, 8>(probs, v_cache, slots, n, head_dim, acc), true;
-      if (vectors % 4 == 0) return weigh_values_grouped<1, 4>(probs, v_cache, slots, n, head_dim, acc), true;
+      if (vectors % 8 == 0) return weigh_values_grouped<1, 8>(probs, v_cache, slots, n, head_dim, acc, next), true;
+      if (vectors % 4 == 0) return weigh_values_grouped<1, 4>(probs, v_cache, slots, n, head_dim, acc, next), true;
       return false;
     case 2:
-      if (vectors % 4 == 0) return weigh_values_grouped<2, 4>(probs, v_cache, slots, n, head_dim, acc), true;
+      if (vectors % 4 == 0) return weigh_values_grouped<2, 4>(probs, v_cache, slots, n, head_dim, acc, next), true;
       return false;
     case 3:
-      if (vectors % 4 == 0) return weigh_values_grouped<3, 4>(probs, v_cache, slots, n, head_dim, acc), true;
-      if (vectors % 2 == 0) return weigh_values_grouped<3, 2>(probs, v_cache, slots, n, head_dim, acc), true;
+      if (vectors % 4 == 0) return weigh_values_grouped<3, 4>(probs, v_cache, slots, n, head_dim, acc, next), true;
+      if (vectors % 2 == 0) return weigh_values_grouped<3, 2>(probs, v_cache, slots, n, head_dim, acc, next), true;
       return false;
     case 4:
-      if (vectors % 2 == 0) return weigh_values_grouped<4, 2>(probs, v_cache, slots, n, head_dim, acc), true;
+      if (vectors % 2 == 0) return weigh_values_grouped<4, 2>(probs, v_cache, slots, n, head_dim, acc, next), true;
       return false;
     default:
       return false;
@@ -404,10 +411,10 @@ inline void score_keys(const float* query, const T* k_cache, const T* v_cache, c
 // acc[g * head_dim + d] += sum_t probs[g * n + t] * value_t[d].
 template <typename T>
 inline void weigh_values(const float* probs, const T* v_cache, const int64_t* slots, int64_t n,
-                         int64_t group, int64_t head_dim, float* acc, float* row) {
+                         int64_t group, int64_t head_dim, float* acc, float* row, NextRows* next = nullptr) {
 #if defined(GEMEL_ATTENTION_AVX2)
   if constexpr (kHasLoad8<T>) {  // every level, as in score_keys
-    if (weigh_values_by_group(probs, v_cache, slots, n, group, head_dim, acc)) return;
+    if (weigh_values_by_group(probs, v_cache, slots, n, group, head_dim, acc, next)) return;
   }
 #endif
 #if defined(__AVX512F__)
@@ -619,11 +626,11 @@ inline void score_keys_int8(const float* query, const int8_t* k_cache, const int
 
 // acc[g * head_dim + d] += sum_t probs[g * n + t] * value_t[d], values as int8 rows.
 inline void weigh_values_int8(const float* probs, const int8_t* v_cache, const int64_t* slots, int64_t n,
-                              int64_t group, int64_t head_dim, float* acc) {
+                              int64_t group, int64_t head_dim, float* acc, [[maybe_unused]] NextRows* next = nullptr) {
 #if defined(__AVX512F__)
   if (attend_int8_fast(group, head_dim, false, probs, v_cache, nullptr, slots, n, acc)) return;
 #elif defined(GEMEL_ATTENTION_AVX2)
-  if (weigh_values_by_group(probs, v_cache, slots, n, group, head_dim, acc)) return;
+  if (weigh_values_by_group(probs, v_cache, slots, n, group, head_dim, acc, next)) return;
 #endif
   const int64_t row = head_dim + 4;
   for (int64_t t = 0; t < n; ++t) {
@@ -809,9 +816,9 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
     if (!weighed) {
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (kInt8Cache)
-        weigh_values_int8(scores.data(), v_head, slots, n, group, head_dim, acc.data());
+        weigh_values_int8(scores.data(), v_head, slots, n, group, head_dim, acc.data(), next);
       else
-        weigh_values(scores.data(), v_head, slots, n, group, head_dim, acc.data(), row.data());
+        weigh_values(scores.data(), v_head, slots, n, group, head_dim, acc.data(), row.data(), next);
     }
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < head_dim; ++d)
@@ -827,7 +834,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
 #endif
   if (kRunsOfTasks && token_seq == nullptr) {
     // Decode: each thread takes a contiguous run of tasks of about equal keys and asks for the
-    // next task's rows while it scores the current one's (NextRows). A task's rows lie in
+    // next task's rows while it scores and weighs the current one's (NextRows). A task's rows lie in
     // 16-slot blocks scattered over the cache, short streams the hardware prefetchers do not
     // get ahead of, and at batch 32 the caches are most of what a decode step reads: SmolLM2's
     // layer at batch 32 and 170 keys, from memory, 312 -> 165 us on a Zen 5 capped at AVX2.
@@ -842,7 +849,6 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
           next.row_bytes = row_bytes;
           for (int64_t task = begin; task < end; ++task) {
             next.n = next.fetched = 0;
-            next.current = keys_of(task);
             if (task + 1 < end) {
               const int64_t b = (task + 1) / num_kv, h = (task + 1) % num_kv;
               next.n = keys_of(task + 1);
@@ -850,8 +856,9 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
               next.k_head = reinterpret_cast<const char*>(k_cache + h * num_slots * row_width);
               next.v_head = reinterpret_cast<const char*>(v_cache + h * num_slots * row_width);
             }
+            next.start(2 * keys_of(task));
             attend(task, &next);
-            next.fetch_to(next.n);  // what the task's loop did not ask for
+            next.fetch_to(next.n);  // what the task's loops did not ask for
           }
         });
     return;
