@@ -17,8 +17,11 @@ from gemel.layers.kv_cache import quantize_rows
 
 
 def _cache(values: torch.Tensor, dtype: torch.dtype, kv: str) -> torch.Tensor:
-    """A cache holding values: in dtype, or (kv="int8") as int8 rows with their scales."""
-    return quantize_rows(values) if kv == "int8" else values.to(dtype)
+    """A cache holding values: in dtype, as int8 rows with their scales (kv="int8"), or as
+    float16 (kv="float16": the AVX2 plan's cache under float32 queries)."""
+    if kv == "int8":
+        return quantize_rows(values)
+    return values.half() if kv == "float16" else values.to(dtype)
 
 
 @pytest.mark.parametrize("kv", ["model", "int8"])
@@ -208,14 +211,17 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path, tiny_lla
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 24])
 @pytest.mark.parametrize("dim", [64, 24, 32, 128, 256])
-@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("kv", ["model", "int8", "float16"])
 @pytest.mark.parametrize("heads,num_kv", [(6, 2), (16, 1)], ids=["gqa3", "gqa16"])
 def test_prefill_kernel_equals_torch_prefill_attention(dtype, sliding_window, dim, kv, heads, num_kv):
     """Prefill groups through the kernel: each query token against its own causal prefix, for
     whole prompts and for chunks after a cached prefix, mixed with decodes in one step. Head
-    sizes 32, 64, 128 and 256 take the tiled path (tiles of 16 tokens at 3 query heads per
-    KV head, 3 at 16; contexts past its 256-key chunks; with bf16 on a CPU with AMX, the
-    tile-instruction version, 32 and 6 tokens a tile), 24 the per-token one."""
+    sizes 32, 64, 128 and 256 take the tiled path on AVX-512 (tiles of 16 tokens at 3 query
+    heads per KV head, 3 at 16; contexts past its 256-key chunks; with bf16 on a CPU with AMX,
+    the tile-instruction version, 32 and 6 tokens a tile), 24 and other CPUs the per-token
+    one. A float16 cache under float32 queries is the AVX2 plan's."""
+    if kv == "float16" and dtype != torch.float32:
+        pytest.skip("a float16 cache is kept under float32 queries only")
     _kernel_available()
     torch.manual_seed(1)
     num_slots, block = 2048, 16
