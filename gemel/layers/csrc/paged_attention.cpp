@@ -157,9 +157,10 @@ constexpr int64_t kAvx2AheadKeys = 16;
 // loops (keep_up after each step), so that the next task finds them there. All at once at the
 // start of a task they held the core up instead: it can only have so many misses in flight
 // (SmolLM2's layer at batch 32 from memory, AVX2: 296 against 165 us). Spread over the scoring
-// pass alone, they left the memory idle while the values were weighed and crowded the misses
-// into the scores: spread over both passes, a layer at batch 32 and 192 keys from memory took
-// 429-443 against 463-488 us (SmolLM2) and 529-540 against 591 (Gemma 3) on an AMD Zen 2.
+// pass alone, they left the memory idle while the values were weighed: spread over both passes
+// a few keys at a time, a layer at batch 32 and 192 keys from memory took 349-375 against
+// 434-437 us (SmolLM2) and 440-475 against 533-576 (Gemma 3) on an AMD Zen 2 (asked for in one
+// burst at the start of each pass over the values, half that gain).
 struct NextRows {
   const char* k_head = nullptr;
   const char* v_head = nullptr;
@@ -170,7 +171,7 @@ struct NextRows {
   // The current task has `steps` steps: its keys scored, then its values weighed.
   void start(int64_t steps) { share = steps > 0 ? static_cast<float>(n) / static_cast<float>(steps) : 0.f; }
   // The current task has done `done` of its steps: ask for as large a share of the next's rows.
-  void keep_up(int64_t done) { fetch_to(static_cast<int64_t>(static_cast<float>(done) * share) + 1); }
+  void keep_up(float done) { fetch_to(static_cast<int64_t>(done * share) + 1); }
 
   void fetch_to(int64_t end) {
     for (end = std::min(n, end); fetched < end; ++fetched) {
@@ -222,7 +223,7 @@ void score_keys_grouped(const float* query, const T* k_cache, const T* v_cache, 
     const T* key[K];
     for (int i = 0; i < K; ++i) key[i] = k_cache + slots[t + i] * row;
     for (int64_t ahead = t + kAhead; ahead < std::min(n, t + kAhead + K); ++ahead) fetch(ahead);
-    if (next != nullptr) next->keep_up(t + K);
+    if (next != nullptr) next->keep_up(static_cast<float>(t + K));
     __m256 a[G][K];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < K; ++i) a[g][i] = _mm256_setzero_ps();
@@ -263,13 +264,16 @@ void weigh_values_grouped(const float* probs, const T* v_cache, const int64_t* s
                           float* acc, NextRows* next = nullptr) {
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   const int64_t row = head_dim + (kInt8 ? 4 : 0);
-  const int64_t passes = head_dim / (8 * W);
+  // The next task's rows are asked for as the keys go by (next->keep_up), in steps of the
+  // task: its n keys scored, then n more over all the passes here.
+  const float step_per_key = static_cast<float>(8 * W) / static_cast<float>(head_dim);
+  float done = static_cast<float>(n);
   for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * W) {
-    if (next != nullptr) next->keep_up(n + n * (d0 / (8 * W) + 1) / passes);
     __m256 s[G][W];
     for (int g = 0; g < G; ++g)
       for (int w = 0; w < W; ++w) s[g][w] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
+      if (next != nullptr && (t & 1) == 1) next->keep_up(done += 2 * step_per_key);
       const T* value = v_cache + slots[t] * row + d0;
       float scale = 1.f;
       if constexpr (kInt8) scale = row_scale(value - d0, head_dim);
