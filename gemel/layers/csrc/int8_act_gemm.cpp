@@ -764,24 +764,24 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   const auto xc = x.contiguous();
   QuantizedRows own;
   QuantizedRows& q = rows <= kScratchRows ? thread_scratch() : own;
-  q.resize(rows, in_features, int_zero, sub16);
-  auto y = at::empty({rows, out_features}, xc.options());
 #if defined(GEMEL_AVX2)
   const int32_t dot_offset = nibbles || six ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
 #else
   const int32_t dot_offset = 0;
 #endif
+  // 8-bit codes whose zero point the AVX2 tiles' dot products already take off (128) would have
+  // zero sums of all 0: none are made, and the tiles skip subtracting them, an integer op and a
+  // broadcast a row and group that share the multiplier's pipes on AMD Zen 2. The Q8_0 LM heads
+  // at 32 rows there (bench/int8_act_rates.py, two alternations): Gemma 3's 73.1-75.1 ->
+  // 69.6-70.4 ms, SmolLM2's 11.9 -> 11.3.
+  const bool zero_sums = int_zero && zero_point != dot_offset;
+  q.resize(rows, in_features, zero_sums, sub16);
+  auto y = at::empty({rows, out_features}, xc.options());
   AT_DISPATCH_SWITCH(xc.scalar_type(), "int8_act_gemm", GEMEL_FLOAT_AND_BF16_CASES([&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     int8_t* qp = q.codes.data();
     float *up = q.unit.data(), *sp = q.code_sum.data();
-    int32_t* zp = int_zero ? q.zero_sum.data() : nullptr;
-    // 8-bit codes whose zero point the AVX2 tiles' dot products already take off (128): their
-    // zero sums are all 0, and the tiles skip subtracting them, an integer op and a broadcast a
-    // row and group that share the multiplier's pipes on AMD Zen 2. The Q8_0 LM heads at 32
-    // rows there (bench/int8_act_rates.py, two alternations): Gemma 3's 73.1-75.1 -> 69.6-70.4
-    // ms, SmolLM2's 11.9 -> 11.3.
-    const int32_t* tile_zero = int_zero && !sub16 && zero_point == dot_offset ? nullptr : zp;
+    int32_t* zp = zero_sums ? q.zero_sum.data() : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
       thread_local std::vector<float> inputs;  // one row, at most the largest in_features
       inputs.resize(in_features);
@@ -789,7 +789,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
         const scalar_t* row = xp + m * xc.size(1);
         input_row(row, gated ? row + in_features : nullptr, in_features, inputs.data());
         quantize_row(inputs.data(), in_features, qp + m * in_features, up + m * groups, sp + m * groups,
-                     static_cast<int32_t>(zero_point) - dot_offset, int_zero ? zp + m * groups * (sub16 ? 2 : 1) : nullptr,
+                     static_cast<int32_t>(zero_point) - dot_offset, zero_sums ? zp + m * groups * (sub16 ? 2 : 1) : nullptr,
                      sub16);
       }
     });
@@ -825,8 +825,7 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
           }
         }
 #endif
-        gemm_blocks<kNib, kZero, false, S>(qp, up, sp, tile_zero, wp, dp, lp, yp, rows, in_features, out_features, b0,
-                                           b1);
+        gemm_blocks<kNib, kZero, false, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
       };
       const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
         half_scales ? run(nibbles_tag, int_zero_tag, at::Half{}) : run(nibbles_tag, int_zero_tag, float{});
