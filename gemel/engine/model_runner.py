@@ -384,7 +384,15 @@ class ModelRunner:
         result = SampledTokens(seqs, [], [], [], {})
         if not seqs:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)])
+        hidden = hidden[torch.tensor(logits_rows, device=self.device)]
+        if self._argmax_only(seqs):
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                result.tokens.extend([t] for t in tokens.tolist())
+                result.logprobs.extend([None] for _ in seqs)
+                result.top_logprobs.extend([None] for _ in seqs)
+                return result
+        logits = self.model.compute_logits(hidden)
         plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
         row_of: list[int] = []  # first logits row of each sequence
         r = 0
@@ -416,6 +424,17 @@ class ModelRunner:
             result.top_logprobs.append([None] * len(tokens))
             result.num_rejected[seq.seq_id] = k - (len(tokens) - 1)
         return result
+
+    def _argmax_only(self, seqs: list[Sequence]) -> bool:
+        """Whether each sequence's next token is just its logits' argmax: greedy, no
+        log-probabilities, penalties, grammar or draft tokens to verify. Then the model may
+        pick the tokens without writing the logits out (``greedy_tokens``)."""
+        constrained = self.structured.matchers if self.structured is not None else {}
+        return all(
+            s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties and not s.spec_token_ids
+            and s.params.structured_output is None and s.seq_id not in constrained
+            for s in seqs
+        )
 
     @torch.inference_mode()
     def logits_for(self, sched: SchedulerOutput) -> torch.Tensor:

@@ -335,6 +335,18 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x).argmax(-1)`` without writing ``self(x)`` (greedy sampling's LM head, whose
+        [rows, vocab] logits were most of the head's memory traffic), where this call takes
+        int8_act_gemm; None where it does not (the caller computes the outputs instead)."""
+        rows = x.shape[0]
+        takes_int8_act = self._every_call_int8_act() or (self._int8_act_rows(rows) and not self._weight_only(rows))
+        if not takes_int8_act or self.bias is not None or self.int8_act_out_features == 0 or rows == 0:
+            return None
+        codes, scale, low = self._int8_act_args
+        return torch.ops.gemel.int8_act_gemm_argmax(x, codes, scale, low, self.int8_act_out_features,
+                                                    self.int8_act_zero_point)
+
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu(gate) * up)`` for a gated MLP's fused gate/up output ``[T, 2 I]`` (fused
         CPU path). The int8-activation GEMM computes the product while it rounds its input, one

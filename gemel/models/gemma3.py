@@ -138,3 +138,9 @@ class Gemma3ForCausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits' argmax per row where the LM head can find it without writing the
+        logits; None where it cannot. Not under a soft cap: tanh keeps the order of the
+        logits, but its rounding can tie two of them that were not tied."""
+        return None if self.cfg.final_logit_softcapping else self.lm_head.argmax(hidden)

@@ -113,3 +113,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits' argmax per row where the LM head can find it without writing the
+        logits; None where it cannot."""
+        return self.lm_head.argmax(hidden)

@@ -167,3 +167,38 @@ def test_smollm2_batch_invariance_and_preemption():
     squeezed = [o.outputs[0].token_ids for o in small.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert small.engine.core.scheduler.num_preemptions > 0
     assert squeezed == alone
+
+
+@pytest.mark.parametrize("model, chat", [("smollm2-135m-instruct", True), ("gemma3-270m", False)], ids=["smollm2", "gemma3"])
+def test_greedy_head_without_logits_picks_the_logits_argmax(model: str, chat: bool):
+    """Greedy requests without log-probabilities take the LM head's argmax without its logits
+    (where the plan serves the head with int8_act_gemm); their tokens are the ones the logits'
+    argmax gives, in a batch of many and alone, and a request that asks for log-probabilities
+    in the same batch keeps the logits path."""
+    llm = LLM(model, kv_cache_memory_mb=256)
+    runner = llm.engine.core.runner
+    prompts = [_prompt_ids(llm, p, chat) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    served = []
+    greedy_tokens = runner.model.greedy_tokens
+
+    def counted(hidden):
+        tokens = greedy_tokens(hidden)
+        served.append(tokens is not None)
+        return tokens
+
+    runner.model.greedy_tokens = counted
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    alone = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)[0].outputs[0].token_ids
+    head = runner.model.lm_head
+    assert any(served) == bool(head.int8_act_out_features)
+    with_logprobs = llm.generate(
+        prompt_token_ids=prompts[:2],
+        sampling_params=[params, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)],
+    )
+    runner._argmax_only = lambda seqs: False
+    from_logits = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert fused == from_logits
+    assert alone == from_logits[0]
+    assert [o.outputs[0].token_ids for o in with_logprobs] == from_logits[:2]
+    assert with_logprobs[1].outputs[0].logprobs is not None

@@ -259,6 +259,52 @@ def test_gated_input_equals_silu_and_mul_first(kind, dtype):
     assert not torch.equal(lin.forward_gated(gate_up), lin(gate_up[:, :64]))
 
 
+@pytest.mark.parametrize("kind", ["int4", "q4_0", "int8", "five", "sixteen"])
+@pytest.mark.parametrize("rows", [1, 5, 70])  # 70: past the per-thread scratch
+@pytest.mark.parametrize("out_f", [40, 2070])  # 2070: three chunks of 1,024 outputs, the last off the blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_without_the_outputs_is_the_argmax_of_the_outputs(kind, rows, out_f, dtype):
+    """Greedy sampling's head: Linear.argmax (int8_act_gemm_argmax, the outputs a chunk at a
+    time, never all written) gives torch.argmax of what the projection returns, in x's dtype,
+    for every code layout; ties go to the first index, also across chunks, and so does NaN."""
+    assert cpu_kernels.load()
+    in_f = 64
+    if kind == "five":
+        groups = _five_bit_groups(out_f, in_f, seed=rows + out_f)
+    elif kind == "sixteen":
+        groups = _int8_groups_of_16(out_f, in_f, seed=rows + out_f)
+    else:
+        groups = _groups(kind, out_f, in_f, seed=rows + out_f)
+    lin = _linear(groups)
+    assert lin.add_int8_activation_gemm_()
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    tokens = lin.argmax(x)
+    assert tokens is not None and tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    assert torch.equal(tokens, lin(x).argmax(-1))
+    if kind != "int8":
+        return
+    # The same largest row at several places, one of them in a later chunk: the first wins.
+    places = [3, 17, out_f - 1] if out_f < 1024 else [1030, 1500, 2069]
+    groups.q[places] = 127
+    groups.scale[places] = 1.0
+    tied = _linear(groups)
+    assert tied.add_int8_activation_gemm_()
+    positive = x.abs() + 0.5
+    assert torch.equal(tied.argmax(positive), torch.full((rows,), places[0]))
+    assert torch.equal(tied.argmax(positive), tied(positive).argmax(-1))
+    # A NaN output (a NaN scale) outranks everything, the first of them.
+    groups.scale[[places[1], places[2]], 0] = float("nan")
+    poisoned = _linear(groups)
+    assert poisoned.add_int8_activation_gemm_()
+    assert torch.equal(poisoned.argmax(positive), torch.full((rows,), places[1]))
+
+
+def test_argmax_is_left_to_the_caller_where_the_projection_is_not_int8_act_gemm():
+    """A projection without the checkpoint's groups (or with a bias) has no fused argmax."""
+    plain = Linear(torch.randn(32, 64).bfloat16())
+    assert plain.argmax(torch.randn(2, 64)) is None
+
+
 def test_projections_without_checkpoint_groups_stay_dense():
     plain = Linear(torch.randn(32, 64).bfloat16())
     model = torch.nn.Sequential(plain)

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 #include "ops.h"
 
+#include "argmax.h"
 #include "bf16.h"
 #include "silu.h"
 
@@ -721,51 +722,69 @@ QuantizedRows& thread_scratch() {
   return rows;
 }
 
+// One call's weight and x, checked, with x rounded to int8 per group (what int8_act_gemm and
+// int8_act_gemm_argmax share). The rounded rows live in `q` (the calling thread's scratch for
+// calls of up to kScratchRows rows, else `own`).
+struct PreparedCall {
+  int64_t rows = 0, in_features = 0, groups = 0, blocks = 0, out_features = 0;
+  int64_t group_bytes = 0, scales_per_group = 0;  // a block's bytes of codes and its scales, per group
+  bool five = false, nibbles = false, int_zero = false, sub16 = false, six = false, half_scales = false;
+  const int8_t* codes = nullptr;  // x's rows as int8
+  const float *unit = nullptr, *code_sum = nullptr;
+  const int32_t* zero_sum = nullptr;
+};
+
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte; 5-bit codes,
 // with an integer zero point, AVX2 and portable builds: 320, the nibbles and their fifth bits); d, low:
 // [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
 // scales as float16). d may be [.., 32], a scale per 16 codes (GGUF Q6_K), with
 // 8-bit codes and zero_point 128, or 6-bit codes (0-63: GGUF Q6_K) and zero_point 32. zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
 // be 0 (the AVX2 tiles compute with u - 128 as a signed byte; pack_group_codes ensures it).
-// Returns [M, out_features] in x's dtype. gated: x is a gated MLP's [M, 2K] gate and up, and
-// the input is silu(gate) * up.
-at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
-                         int64_t out_features, bool gated, int64_t zero_point) {
+// gated: x is a gated MLP's [M, 2K] gate and up, and the input is silu(gate) * up.
+PreparedCall prepare_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
+                          int64_t out_features, bool gated, int64_t zero_point, QuantizedRows& own) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && codes.scalar_type() == at::kByte, "x [M,K], codes [B,G,512] uint8");
   TORCH_CHECK(!gated || x.size(1) % 2 == 0, "gated: x must be [M, 2K]");
-  const int64_t rows = x.size(0), in_features = gated ? x.size(1) / 2 : x.size(1), groups = in_features / kGroup;
-  const int64_t blocks = (out_features + kBlockRows - 1) / kBlockRows;
+  PreparedCall p;
+  p.rows = x.size(0);
+  p.in_features = gated ? x.size(1) / 2 : x.size(1);
+  p.groups = p.in_features / kGroup;
+  p.out_features = out_features;
+  p.blocks = (out_features + kBlockRows - 1) / kBlockRows;
+  const int64_t rows = p.rows, in_features = p.in_features, groups = p.groups, blocks = p.blocks;
   TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
-  const bool five = codes.size(2) == kFiveBlockBytes;
-  const bool nibbles = codes.size(2) == kNibbleBlockBytes || five;
-  TORCH_CHECK(codes.size(0) == blocks && codes.size(1) == groups && (nibbles || codes.size(2) == kBlockBytes),
+  p.five = codes.size(2) == kFiveBlockBytes;
+  p.nibbles = codes.size(2) == kNibbleBlockBytes || p.five;
+  TORCH_CHECK(codes.size(0) == blocks && codes.size(1) == groups && (p.nibbles || codes.size(2) == kBlockBytes),
               "codes do not match x and out_features");
-  const bool int_zero = zero_point != 0;
+  p.group_bytes = codes.size(2);
+  p.int_zero = zero_point != 0;
   TORCH_CHECK(zero_point >= 0 && zero_point <= 255, "zero_point must be in 0..255");
-  TORCH_CHECK(!int_zero || low.numel() == 0, "with an integer zero point, low must be empty");
-  const bool sub16 = d.dim() == 3 && d.size(2) == 2 * kBlockRows;
-  TORCH_CHECK(!sub16 || ((zero_point == 128 || zero_point == 32) && !nibbles),
+  TORCH_CHECK(!p.int_zero || low.numel() == 0, "with an integer zero point, low must be empty");
+  p.sub16 = d.dim() == 3 && d.size(2) == 2 * kBlockRows;
+  p.scales_per_group = (p.sub16 ? 2 : 1) * kBlockRows;
+  TORCH_CHECK(!p.sub16 || ((zero_point == 128 || zero_point == 32) && !p.nibbles),
               "scales per 16 codes need 8-bit codes and zero_point 128, or 6-bit codes (0-63) and zero_point 32");
-  const bool six = sub16 && zero_point == 32;
-  TORCH_CHECK(!five || int_zero, "5-bit codes need an integer zero point");
+  p.six = p.sub16 && zero_point == 32;
+  TORCH_CHECK(!p.five || p.int_zero, "5-bit codes need an integer zero point");
 #if defined(GEMEL_VNNI)
-  TORCH_CHECK(!five, "5-bit codes are served by the AVX2 and portable builds only");
+  TORCH_CHECK(!p.five, "5-bit codes are served by the AVX2 and portable builds only");
 #endif
   const auto check_per_block = [&](const at::Tensor& t) {
     TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.scalar_type() == d.scalar_type() &&
-                    t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups &&
-                    t.size(2) == (sub16 ? 2 : 1) * kBlockRows && t.is_contiguous(),
+                    t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups && t.size(2) == p.scales_per_group &&
+                    t.is_contiguous(),
                 "scales and offsets: float32 or float16 (both alike) [blocks, groups, 16] (or 32: a scale per 16 "
                 "codes), contiguous");
   };
   check_per_block(d);
-  if (!int_zero) check_per_block(low);
+  if (!p.int_zero) check_per_block(low);
   TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
+  p.half_scales = d.scalar_type() == at::kHalf;
   const auto xc = x.contiguous();
-  QuantizedRows own;
   QuantizedRows& q = rows <= kScratchRows ? thread_scratch() : own;
 #if defined(GEMEL_AVX2)
-  const int32_t dot_offset = nibbles || six ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
+  const int32_t dot_offset = p.nibbles || p.six ? 0 : 128;  // the AVX2 tiles' 8-bit dot products are of u - 128
 #else
   const int32_t dot_offset = 0;
 #endif
@@ -774,9 +793,9 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
   // broadcast a row and group that share the multiplier's pipes on AMD Zen 2. The Q8_0 LM heads
   // at 32 rows there (bench/int8_act_rates.py, two alternations): Gemma 3's 73.1-75.1 ->
   // 69.6-70.4 ms, SmolLM2's 11.9 -> 11.3.
-  const bool zero_sums = int_zero && zero_point != dot_offset;
+  const bool zero_sums = p.int_zero && zero_point != dot_offset;
+  const bool sub16 = p.sub16;
   q.resize(rows, in_features, zero_sums, sub16);
-  auto y = at::empty({rows, out_features}, xc.options());
   AT_DISPATCH_SWITCH(xc.scalar_type(), "int8_act_gemm", GEMEL_FLOAT_AND_BF16_CASES([&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     int8_t* qp = q.codes.data();
@@ -793,53 +812,151 @@ at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
                      sub16);
       }
     });
-    const uint8_t* wp = codes.data_ptr<uint8_t>();
-    const bool half_scales = d.scalar_type() == at::kHalf;
+  }));
+  p.codes = q.codes.data();
+  p.unit = q.unit.data();
+  p.code_sum = q.code_sum.data();
+  p.zero_sum = zero_sums ? q.zero_sum.data() : nullptr;
+  return p;
+}
+
+// y[:, 16 b0 .. 16 b1) of the prepared call for output blocks [b0, b1) of a weight whose codes,
+// scales and offsets start at w, d and low (a slice of the call's weight: y's row stride and
+// bound are this slice's out_features).
+template <typename T>
+void run_blocks(const PreparedCall& p, const uint8_t* w, const void* d, const void* low, T* y, int64_t out_features,
+                int64_t b0, int64_t b1) {
+  const int8_t* qp = p.codes;
+  const float *up = p.unit, *sp = p.code_sum;
+  const int32_t* zp = p.zero_sum;
+  const int64_t rows = p.rows, in_features = p.in_features;
+  const auto run = [&](auto nibbles_tag, auto int_zero_tag, auto scale_tag) {
+    using S = decltype(scale_tag);
+    const S* dp = static_cast<const S*>(d);
+    const S* lp = p.int_zero ? nullptr : static_cast<const S*>(low);
+    constexpr bool kNib = decltype(nibbles_tag)::value, kZero = decltype(int_zero_tag)::value;
+    if constexpr (!kNib && kZero) {
+      if (p.six) {
+        gemm_blocks<false, true, true, S, false, true>(qp, up, sp, zp, w, dp, lp, y, rows, in_features, out_features, b0,
+                                                      b1);
+        return;
+      }
+      if (p.sub16) {
+        gemm_blocks<false, true, true, S>(qp, up, sp, zp, w, dp, lp, y, rows, in_features, out_features, b0, b1);
+        return;
+      }
+    }
+#if !defined(GEMEL_VNNI)
+    if constexpr (kNib && kZero) {
+      if (p.five) {
+        gemm_blocks<true, true, false, S, true>(qp, up, sp, zp, w, dp, lp, y, rows, in_features, out_features, b0, b1);
+        return;
+      }
+    }
+#endif
+    gemm_blocks<kNib, kZero, false, S>(qp, up, sp, zp, w, dp, lp, y, rows, in_features, out_features, b0, b1);
+  };
+  const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
+    p.half_scales ? run(nibbles_tag, int_zero_tag, at::Half{}) : run(nibbles_tag, int_zero_tag, float{});
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (p.nibbles) {
+    p.int_zero ? with_scales(Yes{}, Yes{}) : with_scales(Yes{}, No{});
+  } else {
+    p.int_zero ? with_scales(No{}, Yes{}) : with_scales(No{}, No{});
+  }
+}
+
+const void* low_or_null(const at::Tensor& low, bool int_zero) { return int_zero ? nullptr : low.data_ptr(); }
+
+// Returns [M, out_features] in x's dtype (see prepare_call for the arguments).
+at::Tensor int8_act_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& low,
+                         int64_t out_features, bool gated, int64_t zero_point) {
+  QuantizedRows own;
+  const PreparedCall p = prepare_call(x, codes, d, low, out_features, gated, zero_point, own);
+  auto y = at::empty({p.rows, out_features}, x.options());
+  AT_DISPATCH_SWITCH(y.scalar_type(), "int8_act_gemm", GEMEL_FLOAT_AND_BF16_CASES([&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
     // Threads split the output blocks in whole register tiles.
-    const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+    const int64_t tiles = (p.blocks + kTileBlocks - 1) / kTileBlocks;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      const int64_t b0 = t0 * kTileBlocks, b1 = std::min(blocks, t1 * kTileBlocks);
-      const auto run = [&](auto nibbles_tag, auto int_zero_tag, auto scale_tag) {
-        using S = decltype(scale_tag);
-        const S* dp = d.data_ptr<S>();
-        const S* lp = int_zero ? nullptr : low.data_ptr<S>();
-        constexpr bool kNib = decltype(nibbles_tag)::value, kZero = decltype(int_zero_tag)::value;
-        if constexpr (!kNib && kZero) {
-          if (six) {
-            gemm_blocks<false, true, true, S, false, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features,
-                                                          out_features, b0, b1);
-            return;
-          }
-          if (sub16) {
-            gemm_blocks<false, true, true, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
-            return;
-          }
-        }
-#if !defined(GEMEL_VNNI)
-        if constexpr (kNib && kZero) {
-          if (five) {
-            gemm_blocks<true, true, false, S, true>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0,
-                                                    b1);
-            return;
-          }
-        }
-#endif
-        gemm_blocks<kNib, kZero, false, S>(qp, up, sp, zp, wp, dp, lp, yp, rows, in_features, out_features, b0, b1);
-      };
-      const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
-        half_scales ? run(nibbles_tag, int_zero_tag, at::Half{}) : run(nibbles_tag, int_zero_tag, float{});
-      };
-      using Yes = std::true_type;
-      using No = std::false_type;
-      if (nibbles) {
-        int_zero ? with_scales(Yes{}, Yes{}) : with_scales(Yes{}, No{});
-      } else {
-        int_zero ? with_scales(No{}, Yes{}) : with_scales(No{}, No{});
-      }
+      run_blocks(p, codes.data_ptr<uint8_t>(), d.data_ptr(), low_or_null(low, p.int_zero), yp, out_features,
+                 t0 * kTileBlocks, std::min(p.blocks, t1 * kTileBlocks));
     });
   }));
   return y;
+}
+
+// Output blocks a thread computes into its own buffer before taking each row's argmax there:
+// 1,024 outputs, 128 KB for 32 rows, which stays in L2.
+constexpr int64_t kArgmaxChunkBlocks = 64;
+
+// A row's best (value, index) so far, in torch.argmax's order: the first NaN, else the first
+// index of the largest value.
+struct RowBest {
+  float value = 0.f;
+  int64_t index = -1;
+};
+
+void keep_best(RowBest& best, float value, int64_t index) {
+  if (best.index < 0 || (!gemel::is_nan(best.value) && (gemel::is_nan(value) || value > best.value))) best = {value, index};
+}
+
+// A row of outputs as float32: itself, or converted into `room`.
+const float* as_floats(const float* row, int64_t, std::vector<float>&) { return row; }
+
+template <typename T>
+const float* as_floats(const T* row, int64_t width, std::vector<float>& room) {
+  room.resize(width);
+  for (int64_t i = 0; i < width; ++i) room[i] = static_cast<float>(row[i]);
+  return room.data();
+}
+
+// argmax over the outputs of int8_act_gemm (the same arguments, gated off) without writing them:
+// greedy sampling's LM head, whose [rows, vocab] float32 logits (33.5 MB for Gemma 3's 262,144
+// entries at 32 rows) were written to memory and read back by the argmax. Each thread computes
+// its outputs a chunk at a time into a buffer that stays in L2 and keeps each row's best. The
+// outputs are rounded to x's dtype first, as int8_act_gemm returns them, so the answer is the
+// argmax of what int8_act_gemm returns. Returns [M] int64.
+at::Tensor int8_act_gemm_argmax(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                                const at::Tensor& low, int64_t out_features, int64_t zero_point) {
+  TORCH_CHECK(out_features > 0, "int8_act_gemm_argmax: no outputs to choose from");
+  QuantizedRows own;
+  const PreparedCall p = prepare_call(x, codes, d, low, out_features, false, zero_point, own);
+  const int64_t rows = p.rows, chunks = (p.blocks + kArgmaxChunkBlocks - 1) / kArgmaxChunkBlocks;
+  std::vector<RowBest> best(chunks * rows);  // [chunk, row]
+  const auto* w = codes.data_ptr<uint8_t>();
+  const auto* dp = static_cast<const char*>(d.data_ptr());
+  const auto* lp = static_cast<const char*>(low_or_null(low, p.int_zero));
+  const int64_t scale_bytes = p.groups * p.scales_per_group * d.element_size();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "int8_act_gemm_argmax", GEMEL_FLOAT_AND_BF16_CASES([&] {
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      thread_local std::vector<scalar_t> outputs;
+      thread_local std::vector<float> row_values;
+      outputs.resize(rows * kArgmaxChunkBlocks * kBlockRows);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b0 = c * kArgmaxChunkBlocks, b1 = std::min(p.blocks, b0 + kArgmaxChunkBlocks);
+        const int64_t first = b0 * kBlockRows, width = std::min(out_features, b1 * kBlockRows) - first;
+        run_blocks(p, w + b0 * p.groups * p.group_bytes, dp + b0 * scale_bytes, lp ? lp + b0 * scale_bytes : nullptr,
+                   outputs.data(), width, 0, b1 - b0);
+        for (int64_t m = 0; m < rows; ++m) {
+          const scalar_t* row = outputs.data() + m * width;
+          const float* values = as_floats(row, width, row_values);
+          const int64_t i = gemel::argmax_row(values, width);
+          best[c * rows + m] = {values[i], first + i};
+        }
+      }
+    });
+  }));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < rows; ++m) {
+    RowBest row;
+    for (int64_t c = 0; c < chunks; ++c) keep_best(row, best[c * rows + m].value, best[c * rows + m].index);
+    op[m] = row.index;
+  }
+  return out;
 }
 
 // Rows `ids` (any shape) of a weight packed as 8-bit codes u = q + 128 with one scale per group
@@ -898,10 +1015,13 @@ at::Tensor gemel::ops::int8_act_gemm(const at::Tensor& x, const at::Tensor& code
 TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("int8_act_gemm(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features, bool gated=False, "
         "int zero_point=0) -> Tensor");
+  m.def("int8_act_gemm_argmax(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features, int zero_point=0) "
+        "-> Tensor");
   m.def("embedding_rows(Tensor codes, Tensor scale, Tensor ids, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) {
   m.impl("int8_act_gemm", &int8_act_gemm);
+  m.impl("int8_act_gemm_argmax", &int8_act_gemm_argmax);
   m.impl("embedding_rows", &embedding_rows);
 }
