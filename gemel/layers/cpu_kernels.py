@@ -7,7 +7,8 @@ All under ``torch.ops.gemel``: decode and prefill attention that read the paged 
 activations (``csrc/int8_act_gemm.cpp``, AVX512-VNNI) and on bf16 weights laid out as AMX tiles
 (``csrc/amx_bf16_gemm.cpp``), and fused RMSNorm, SiLU-and-mul and rotary
 embedding for eager steps (``csrc/fused_ops.cpp``), greedy sampling's argmax
-(``csrc/argmax.cpp``), random sampling's draw (``csrc/sample.cpp``) and structured output's token
+(``csrc/argmax.cpp``; over an int8-activation LM head's outputs without writing them,
+``int8_act_gemm_argmax``), random sampling's draw (``csrc/sample.cpp``) and structured output's token
 mask (``csrc/token_mask.cpp``). They are compiled (one compiler process per source, in parallel) into one library
 against the installed PyTorch's headers and libraries (with the compiler ``torch.compile``
 also needs on CPU), once per source, PyTorch version and instruction-set level, and cached
