@@ -5,8 +5,11 @@ come from memory rather than from cache (thirty of SmolLM2's 3,072 x 576 gate_up
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 262144x640:int8 49152x576:int8 --rows 32
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 3072x576:int4 576x1536:int4 --rows 32 --copies 30
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 3072x576:int4 --avx-vnni   # the AVX-VNNI build
+    python bench/int8_act_rates.py 262144x640:int8 49152x576:int8 --rows 1 32 --argmax   # greedy heads
 
-Prints, per shape and row count, the median time of a call and its multiply-adds per second.
+Prints, per shape and row count, the median time of a call and its multiply-adds per second;
+with ``--argmax`` also a greedy head's two ways to its tokens: the call then ``argmax_rows`` over
+its outputs, and ``Linear.argmax`` (``int8_act_gemm_argmax``, the outputs never all written).
 The machine's speed drifts; compare builds by alternating whole runs.
 """
 
@@ -49,6 +52,7 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--argmax", action="store_true", help="also time the argmax of the outputs, both ways")
     p.add_argument("--avx-vnni", action="store_true",
                    help="build the avx2 level with AVX-VNNI, as a CPU that has it without AVX-512 runs it "
                         "(Intel Alder Lake and later), to measure that build on a CPU that has both")
@@ -63,8 +67,9 @@ def main() -> None:
     print(f"CPU {cpu.model}, flags {' '.join(cpu.relevant_flags())}; kernels {cpu_kernels.loaded_isa()} "
           f"({' '.join(cpu_kernels.built_features())}), "
           f"{args.threads} threads, {args.copies} copies of each weight")
-    print("| shape | kind | rows | ms a call | GMAC/s |")
-    print("|---|---|---|---|---|")
+    extra = " ms + argmax_rows | ms int8_act_gemm_argmax |" if args.argmax else ""
+    print("| shape | kind | rows | ms a call | GMAC/s |" + extra)
+    print("|---|---|---|---|---|" + ("---|---|" if args.argmax else ""))
     for spec in args.shapes:
         shape, _, kind = spec.partition(":")
         out_f, in_f = map(int, shape.split("x"))
@@ -72,15 +77,24 @@ def main() -> None:
         lins = [packed_linear(groups) for _ in range(args.copies)]
         for rows in args.rows:
             x = torch.randn(rows, in_f)
-            lins[0](x)
-            times = []
-            for _ in range(args.iters):
-                start = time.perf_counter()
-                for lin in lins:
-                    lin(x)
-                times.append((time.perf_counter() - start) / len(lins))
-            t = sorted(times)[len(times) // 2]
-            print(f"| {out_f} x {in_f} | {kind or 'int8'} | {rows} | {t * 1e3:.2f} | {rows * out_f * in_f / t / 1e9:.1f} |")
+            ways = [lambda lin: lin(x)]
+            if args.argmax:
+                ways += [lambda lin: torch.ops.gemel.argmax_rows(lin(x)), lambda lin: lin.argmax(x)]
+                assert torch.equal(ways[1](lins[0]), ways[2](lins[0]))
+            medians = []
+            for way in ways:
+                way(lins[0])
+                times = []
+                for _ in range(args.iters):
+                    start = time.perf_counter()
+                    for lin in lins:
+                        way(lin)
+                    times.append((time.perf_counter() - start) / len(lins))
+                medians.append(sorted(times)[len(times) // 2])
+            t = medians[0]
+            extra = "".join(f" {m * 1e3:.2f} |" for m in medians[1:])
+            print(f"| {out_f} x {in_f} | {kind or 'int8'} | {rows} | {t * 1e3:.2f} | {rows * out_f * in_f / t / 1e9:.1f} |"
+                  + extra)
 
 
 if __name__ == "__main__":
