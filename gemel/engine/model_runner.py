@@ -248,7 +248,8 @@ class ModelRunner:
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             hidden = self.model(ids, pos, meta, self.kv_caches[:num_layers])
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            picked = self.model.greedy_tokens(hidden)
+            tokens = (picked if picked is not None else self.model.compute_logits(hidden).argmax(dim=-1)).tolist()
             for d, t in zip(drafts, tokens):
                 d.append(t)
             positions = [p + 1 for p in positions]
