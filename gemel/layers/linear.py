@@ -341,7 +341,7 @@ class Linear(nn.Module):
         int8_act_gemm; None where it does not (the caller computes the outputs instead)."""
         rows = x.shape[0]
         takes_int8_act = self._every_call_int8_act() or (self._int8_act_rows(rows) and not self._weight_only(rows))
-        if not takes_int8_act or self.bias is not None or self.int8_act_out_features == 0 or rows == 0:
+        if not takes_int8_act or self.bias is not None or rows == 0:
             return None
         codes, scale, low = self._int8_act_args
         return torch.ops.gemel.int8_act_gemm_argmax(x, codes, scale, low, self.int8_act_out_features,
