@@ -723,10 +723,10 @@ QuantizedRows& thread_scratch() {
 }
 
 // One call's weight and x, checked, with x rounded to int8 per group (what int8_act_gemm and
-// int8_act_gemm_argmax share). The rounded rows live in `q` (the calling thread's scratch for
-// calls of up to kScratchRows rows, else `own`).
+// int8_act_gemm_argmax share). The rounded rows live in the calling thread's scratch for calls
+// of up to kScratchRows rows, else in the caller's `own`.
 struct PreparedCall {
-  int64_t rows = 0, in_features = 0, groups = 0, blocks = 0, out_features = 0;
+  int64_t rows = 0, in_features = 0, groups = 0, blocks = 0;
   int64_t group_bytes = 0, scales_per_group = 0;  // a block's bytes of codes and its scales, per group
   bool five = false, nibbles = false, int_zero = false, sub16 = false, six = false, half_scales = false;
   const int8_t* codes = nullptr;  // x's rows as int8
@@ -749,7 +749,6 @@ PreparedCall prepare_call(const at::Tensor& x, const at::Tensor& codes, const at
   p.rows = x.size(0);
   p.in_features = gated ? x.size(1) / 2 : x.size(1);
   p.groups = p.in_features / kGroup;
-  p.out_features = out_features;
   p.blocks = (out_features + kBlockRows - 1) / kBlockRows;
   const int64_t rows = p.rows, in_features = p.in_features, groups = p.groups, blocks = p.blocks;
   TORCH_CHECK(in_features % kGroup == 0, "K must be a multiple of 32");
@@ -899,8 +898,9 @@ struct RowBest {
   int64_t index = -1;
 };
 
-void keep_best(RowBest& best, float value, int64_t index) {
-  if (best.index < 0 || (!gemel::is_nan(best.value) && (gemel::is_nan(value) || value > best.value))) best = {value, index};
+void keep_best(RowBest& best, const RowBest& other) {
+  if (best.index < 0 || (!gemel::is_nan(best.value) && (gemel::is_nan(other.value) || other.value > best.value)))
+    best = other;
 }
 
 // A row of outputs as float32: itself, or converted into `room`.
@@ -953,7 +953,7 @@ at::Tensor int8_act_gemm_argmax(const at::Tensor& x, const at::Tensor& codes, co
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t m = 0; m < rows; ++m) {
     RowBest row;
-    for (int64_t c = 0; c < chunks; ++c) keep_best(row, best[c * rows + m].value, best[c * rows + m].index);
+    for (int64_t c = 0; c < chunks; ++c) keep_best(row, best[c * rows + m]);
     op[m] = row.index;
   }
   return out;
