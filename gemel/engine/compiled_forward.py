@@ -35,7 +35,7 @@ class CompiledForward:
         self.model = model
         self.options = options
         self.compiled = torch.compile(model.forward, **options)
-        self.arg_names = list(inspect.signature(type(model).forward).parameters)  # "self", then forward's own
+        self.signature = inspect.signature(type(model).forward)  # "self", then forward's own
         self.replay: dict[Hashable, Callable] = {}  # step key -> the compiled code that serves it
 
     def __call__(self, key: Hashable, *args: Any) -> Any:
@@ -54,12 +54,15 @@ class CompiledForward:
             from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
             entries = _debug_get_cache_entry_list(type(self.model).forward.__code__)
-            frame_locals = dict(zip(self.arg_names, (self.model, *args)))
+            bound = self.signature.bind(self.model, *args)
+            bound.apply_defaults()  # the guards check the defaulted arguments too
+            frame_locals = dict(bound.arguments)
+            forward = type(self.model).forward
             for entry in entries:
                 if entry.guard_manager.check(frame_locals):
                     if entry.code.co_freevars:  # would need closure cells only Dynamo can supply
                         return None
-                    return types.FunctionType(entry.code, type(self.model).forward.__globals__, "compiled_forward")
+                    return types.FunctionType(entry.code, forward.__globals__, "compiled_forward", forward.__defaults__)
         except (ImportError, AttributeError, RuntimeError, TypeError) as exc:
             log.info("compiled code is called through torch.compile on every step: %s", exc)
         return None

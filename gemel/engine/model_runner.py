@@ -380,12 +380,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SampledTokens:
         ids, pos, meta, logits_rows = self.prepare(sched)
-        hidden = self._forward_for(sched, meta)(ids, pos, meta, self.kv_caches)
         seqs = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n >= seq.num_tokens]
+        if len(logits_rows) == meta.num_tokens:  # every row is read out: decodes, drafts to verify
+            hidden = self._forward_for(sched, meta)(ids, pos, meta, self.kv_caches)
+        else:  # a step with prompt tokens: the last layer finishes the rows read out alone
+            # (one row where none is: the step is for the KV cache, its output unused)
+            rows = torch.tensor(logits_rows or [meta.num_tokens - 1], device=self.device)
+            hidden = self.model(ids, pos, meta, self.kv_caches, output_rows=rows)
         result = SampledTokens(seqs, [], [], [], {})
         if not seqs:
             return result
-        hidden = hidden[torch.tensor(logits_rows, device=self.device)]
         if self._argmax_only(seqs):
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:

@@ -15,6 +15,7 @@ from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.kv_cache import kernels_take
 from gemel.layers.layernorm import rms_norm_gemma
 from gemel.layers.linear import Linear
+from gemel.layers.output_rows import keep_rows
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from gemel.models.config import ModelArchConfig
 from gemel.models.weights import WeightSource
@@ -47,7 +48,9 @@ class Gemma3Layer(nn.Module):
         self.gate_up_proj = Linear.load(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         self.down_proj = Linear.load(w, [p + "mlp.down_proj.weight"])
 
-    def forward(self, x, rope, meta: AttentionMetadata, kv_cache):
+    def forward(self, x, rope, meta: AttentionMetadata, kv_cache, rows: torch.Tensor | None = None):
+        """``rows``: only these rows of the output are wanted (the model's last layer in a
+        step with prompt tokens); every row's K and V still reach the cache."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         cos, sin = rope[self.sliding]
@@ -61,13 +64,15 @@ class Gemma3Layer(nn.Module):
         k = apply_rotary(k, cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
+        x, attn = keep_rows(x, attn, rows)
         x = x + norm(self.o_proj(attn), self.post_attn_norm, eps)
         h = norm(x, self.pre_ffn_norm, eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         h = self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return x + norm(h, self.post_ffn_norm, eps)
 
-    def forward_fused(self, x, mlp_out, prev_post_ffn_norm, rope, meta: AttentionMetadata, kv_cache):
+    def forward_fused(self, x, mlp_out, prev_post_ffn_norm, rope, meta: AttentionMetadata, kv_cache,
+                      rows: torch.Tensor | None = None):
         """The same layer in float32 with the C++ fused ops: the post-norms, residual adds and
         pre-norms one op each, QK-norm and rotary with the KV store one op, GeGLU one op (caches
         the kernels take: every float32 one).
@@ -85,6 +90,7 @@ class Gemma3Layer(nn.Module):
         q = fused.rotary_q_store_kv(self.qkv_proj(h), cos, sin, kv_cache, meta.slot_mapping, cfg.num_heads,
                                     cfg.num_kv_heads, cfg.head_dim, qk_norm=(self.q_norm, self.k_norm), norm_eps=eps)
         attn = paged_attention(q, None, None, kv_cache[0], kv_cache[1], meta, cfg.attn_scale, self.sliding)
+        x, attn = keep_rows(x, attn, rows)
         x, h = fused.norm_add_rms_norm(x, self.o_proj(attn), self.post_attn_norm, self.pre_ffn_norm, eps)
         return x, self.down_proj(fused.gelu_tanh_and_mul(self.gate_up_proj(h)))
 
@@ -108,7 +114,11 @@ class Gemma3ForCausalLM(nn.Module):
         self.local_rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, device)
         self.embed_scale = cfg.hidden_size**0.5
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every row, or of ``output_rows`` alone (in that order):
+        then the last layer's attention output, MLP and the final norm run for those rows only."""
+        last = min(len(self.layers), len(kv_caches)) - 1
         if self.embed_tokens is not None:
             x = F.embedding(input_ids, self.embed_tokens)
         else:  # the table was handed to the tied LM head's codes (linear.share_tied_table_)
@@ -123,12 +133,13 @@ class Gemma3ForCausalLM(nn.Module):
             if whole_step is not None:
                 return whole_step(x, [rope[False], rope[True]], meta)
             mlp_out, post_ffn_norm = None, None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, mlp_out = layer.forward_fused(x, mlp_out, post_ffn_norm, rope, meta, kv_cache)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                rows = output_rows if i == last else None
+                x, mlp_out = layer.forward_fused(x, mlp_out, post_ffn_norm, rope, meta, kv_cache, rows)
                 post_ffn_norm = layer.post_ffn_norm
             return fused.norm_add_rms_norm(x, mlp_out, post_ffn_norm, self.norm, self.cfg.rms_norm_eps)[1]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, meta, kv_cache)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rope, meta, kv_cache, output_rows if i == last else None)
         norm = _fused_norm if x.dtype == torch.float32 and fused.use_fused(meta) else rms_norm_gemma
         return norm(x, self.norm, self.cfg.rms_norm_eps)
 

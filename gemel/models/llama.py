@@ -11,6 +11,7 @@ from gemel.layers.attention import AttentionMetadata, paged_attention
 from gemel.layers.layernorm import rms_norm_llama
 from gemel.layers.kv_cache import kernels_take
 from gemel.layers.linear import Linear, gated_mlp
+from gemel.layers.output_rows import keep_rows
 from gemel.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from gemel.models.config import ModelArchConfig
 from gemel.models.weights import WeightSource
@@ -31,7 +32,10 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj.gate_up = True  # silu(gate) * up follows: its AMX tiles can fuse it
         self.down_proj = Linear.load(w, [p + "mlp.down_proj.weight"])
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rows: torch.Tensor | None = None):
+        """``rows``: only these rows of the output are wanted (the model's last layer in a
+        step with prompt tokens); every row's K and V still reach the cache."""
         cfg = self.cfg
         h = rms_norm_llama(x, self.input_norm, cfg.rms_norm_eps)
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -39,13 +43,15 @@ class LlamaLayer(nn.Module):
         k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
+        x, attn = keep_rows(x, attn, rows)
         x = x + self.o_proj(attn)
         h = rms_norm_llama(x, self.post_attn_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
     def forward_fused(
-        self, x, mlp_out, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+        self, x, mlp_out, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with the element-wise ops fused (CPU, eager; see layers/fused.py).
 
@@ -66,6 +72,7 @@ class LlamaLayer(nn.Module):
             q, k = fused.rotary_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, cfg.attn_scale)
+        x, attn = keep_rows(x, attn, rows)
         x, h = fused.add_rms_norm_llama(x, self.o_proj(attn), self.post_attn_norm, cfg.rms_norm_eps)
         return x, gated_mlp(self.gate_up_proj, self.down_proj, h)
 
@@ -93,7 +100,11 @@ class LlamaForCausalLM(nn.Module):
             llama3_scaling=scaling if scaling.get("rope_type") == "llama3" else None,
         )
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every row, or of ``output_rows`` alone (in that order):
+        then the last layer's attention output, MLP and the final norm run for those rows only."""
+        last = min(len(self.layers), len(kv_caches)) - 1
         if self.embed_tokens is not None:
             x = F.embedding(input_ids, self.embed_tokens)
         else:  # the table was handed to the tied LM head's codes (linear.share_tied_table_)
@@ -104,11 +115,11 @@ class LlamaForCausalLM(nn.Module):
             if whole_step is not None:
                 return whole_step(x, [(cos, sin)], meta)
             mlp_out = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, mlp_out = layer.forward_fused(x, mlp_out, cos, sin, meta, kv_cache)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                x, mlp_out = layer.forward_fused(x, mlp_out, cos, sin, meta, kv_cache, output_rows if i == last else None)
             return fused.add_rms_norm_llama(x, mlp_out, self.norm, self.cfg.rms_norm_eps)[1]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, cos, sin, meta, kv_cache, output_rows if i == last else None)
         return rms_norm_llama(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from parity import check_greedy, hf_greedy, hf_logits, write_gguf
 
 from gemel import LLM, SamplingParams
+from gemel.engine.scheduler import SchedulerOutput
+from gemel.engine.sequence import Sequence
 from gemel.loader import model_loader
 
 LOGITS_ATOL = 1e-4  # float32, same weights; observed differences are ~1e-6
@@ -50,6 +53,39 @@ def test_greedy_tokens_equal_transformers(pair):
             near_ties.append((i, result.near_tie_step))
     print("near-ties (prompt, step):", near_ties)
     assert len(near_ties) <= 1, f"too many near-tie divergences: {near_ties}"
+
+
+@pytest.mark.parametrize("fused_ops", [True, False])
+def test_last_layer_on_the_rows_read_out_alone(pair, fused_ops):
+    """A step with prompt tokens finishes its last layer on the rows it reads out: those rows'
+    final hidden states are the full forward's, and every token's keys and values still reach
+    the cache."""
+    llm, _ = pair
+    core, runner = llm.engine.core, llm.engine.core.runner
+    rng = random.Random(7)
+    seqs = [Sequence(seq_id=f"rows-{i}", token_ids=[rng.randrange(3, 300) for _ in range(n)], params=SamplingParams())
+            for i, n in enumerate((5, 1, 12, 9))]
+    for seq in seqs:
+        assert core.block_manager.allocate_slots(seq, seq.num_tokens)
+    try:
+        ids, pos, meta, rows = runner.prepare(SchedulerOutput(scheduled=[(s, s.num_tokens) for s in seqs]))
+        meta = dataclasses.replace(meta, fused_ops=fused_ops and meta.fused_ops)
+        assert rows == [4, 5, 17, 26]  # each prompt's last token
+        with torch.inference_mode():
+            full = runner.model(ids, pos, meta, runner.kv_caches)
+            written = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            for k, v in runner.kv_caches:  # forget this step's keys and values
+                k.index_fill_(1, meta.slot_mapping, 0)
+                v.index_fill_(1, meta.slot_mapping, 0)
+            picked = runner.model(ids, pos, meta, runner.kv_caches, output_rows=torch.tensor(rows))
+        assert picked.shape == (len(rows), full.shape[1])
+        torch.testing.assert_close(picked, full[rows], atol=1e-5, rtol=0)
+        slots = meta.slot_mapping
+        for (k, v), (k_full, v_full) in zip(runner.kv_caches, written):
+            assert torch.equal(k[:, slots], k_full[:, slots]) and torch.equal(v[:, slots], v_full[:, slots])
+    finally:
+        for seq in seqs:
+            core.block_manager.free(seq)
 
 
 def test_sliding_window_is_applied(tiny_gemma3_dir):
