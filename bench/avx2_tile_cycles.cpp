@@ -59,9 +59,14 @@ struct Data {
   }
 };
 
-// kScale: the group's float scaling (Q4_1: scale and offset) as the kernel does it; without it
-// the int32 sums are only added up (what the multiplies and their adds alone cost).
-template <bool kScale>
+// How the 4-bit tile scales a group's sums: kFloat as the kernel does (Q4_1: the weights' and
+// x's scales multiplied, then an FMA, and an FMA for the offset); kNone: the int32 sums only
+// added up (what the multiplies and their adds alone cost); kWeightInMadd: the weights' scales
+// as int16 (fixed point, a unit per output) taken as vpmaddwd's multiplier instead of ones, so
+// that the float part is an FMA by x's scale and the offset's FMA (one float multiply fewer).
+enum class Scale { kNone, kFloat, kWeightInMadd };
+
+template <Scale kScale>
 __attribute__((noinline)) void tile4(const Data& a, int half) {
   const __m256i ones = _mm256_set1_epi16(1), low_nibbles = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows];
@@ -84,8 +89,18 @@ __attribute__((noinline)) void tile4(const Data& a, int half) {
     step(0, true);
 #pragma GCC unroll 1
     for (int j = 1; j < kGroup / 8; ++j) step(j, false);
+    if constexpr (kScale == Scale::kWeightInMadd) {
+      const __m256i dw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.w.data() + g * 16)));
+      const __m256 lv = _mm256_loadu_ps(a.low.data() + g * 16 + half * 8);
+      for (int r = 0; r < kRows; ++r) {
+        dot[r] = _mm256_madd_epi16(sum16[r], dw);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(a.unit[r * a.groups + g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(lv, _mm256_set1_ps(a.code_sum[r * a.groups + g]), acc[r]);
+      }
+      continue;
+    }
     for (int r = 0; r < kRows; ++r) dot[r] = _mm256_madd_epi16(sum16[r], ones);
-    if constexpr (kScale) {
+    if constexpr (kScale == Scale::kFloat) {
       const __m256 dv = _mm256_loadu_ps(a.d.data() + g * 16 + half * 8), lv = _mm256_loadu_ps(a.low.data() + g * 16 + half * 8);
       for (int r = 0; r < kRows; ++r) {
         const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a.unit[r * a.groups + g]));
@@ -248,8 +263,9 @@ int main(int argc, char** argv) {
   const auto row = [&](const char* name, int multiplies, double cycles) {
     std::printf("| %-52s | %2d | %5.2f | %4.1f |\n", name, multiplies, cycles, 256.0 / cycles);
   };
-  row("4-bit (Q4_1), as the kernel", 9, cycles_per_row_group(tile4<true>, smollm2, ghz, 2000000));
-  row("4-bit, without the group's float scaling", 9, cycles_per_row_group(tile4<false>, smollm2, ghz, 2000000));
+  row("4-bit (Q4_1), as the kernel", 9, cycles_per_row_group(tile4<Scale::kFloat>, smollm2, ghz, 2000000));
+  row("4-bit, without the group's float scaling", 9, cycles_per_row_group(tile4<Scale::kNone>, smollm2, ghz, 2000000));
+  row("4-bit, the weights' scales in vpmaddwd (int16)", 9, cycles_per_row_group(tile4<Scale::kWeightInMadd>, smollm2, ghz, 2000000));
   row("8-bit (Q8_0) sign trick, as the kernel", 16, cycles_per_row_group(tile8<Eight::kSign, true>, gemma_head, ghz, 1000000));
   row("8-bit sign trick, without the float scaling", 16, cycles_per_row_group(tile8<Eight::kSign, false>, gemma_head, ghz, 1000000));
   row("8-bit, neither the sign op nor the scaling (wrong sums)", 16, cycles_per_row_group(tile8<Eight::kNoSign, false>, gemma_head, ghz, 1000000));
