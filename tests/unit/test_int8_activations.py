@@ -162,6 +162,45 @@ def test_int8_activation_gemm_equals_the_arithmetic_written_out(kind, rows, out_
     torch.testing.assert_close(y16.float(), expected16, atol=expected16.abs().max().item() / 128, rtol=2**-8)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_8_bit_codes_at_full_scale(rows):
+    """8-bit weights at full scale (|q| = 127) with x's signs matched to them, so that every
+    product adds to the same side (the largest sums any tile makes: in the AVX2 tiles' int16
+    pairs 2 x 127 x 127), and groups of x whose |x| meeting in one int16 lane of two steps
+    (codes 8p, 8p+1, 8p+4, 8p+5 or 8p+2, 8p+3, 8p+6, 8p+7) add up to 258 or 259, either side of
+    what two steps' products could add up to in int16 (127 x 258 = 32,766); rows mix both.
+    Every output is the arithmetic written out (a sum wrapped in int16 would be off by 65,536
+    units), and the argmax too."""
+    assert cpu_kernels.load()
+    in_f, out_f = 160, 40
+    g = torch.Generator().manual_seed(rows)
+    signs = torch.where(torch.rand(in_f, generator=g) < 0.5, -1, 1)
+    q = (127 * signs).repeat(out_f, 1)
+    q[1::2] = -q[1::2]  # half the outputs sum to the most negative side
+    groups = Int8Groups(q.to(torch.int8), torch.full((out_f, in_f // 32), 0.01))
+    lin = _linear(groups)
+    assert lin.add_int8_activation_gemm_()
+
+    def group(lanes: tuple[int, int, int, int], odd: bool) -> torch.Tensor:
+        """Codes 0-7 of a group putting `lanes` in one lane of steps 0 and 1, then zeros, and
+        127 at code 31 (the group's largest, so its unit is 1 and x's codes are x)."""
+        codes = torch.zeros(32)
+        first = 2 if odd else 0
+        codes[first], codes[first + 1], codes[first + 4], codes[first + 5] = (float(v) for v in lanes)
+        codes[31] = 127.0
+        return codes
+
+    patterns = [group((127, 127, 2, 2), False), group((127, 127, 2, 3), False), group((127, 2, 127, 2), True),
+                group((100, 100, 30, 29), True), group((127, 127, 3, 2), True)]
+    x = torch.stack([torch.cat([patterns[(r + k) % len(patterns)] for k in range(in_f // 32)]) for r in range(rows)])
+    x = x * signs
+    y = lin(x)
+    expected = _int8_activation_product(x, groups.dequantize())
+    torch.testing.assert_close(y, expected, atol=1e-3, rtol=1e-5)
+    assert expected.abs().max() > 400  # the sums do reach the limit
+    assert torch.equal(lin.argmax(x), y.argmax(-1))
+
+
 @pytest.mark.parametrize("kind", ["int4", "q4_0", "int8", "five", "sixteen"])
 def test_calls_of_many_rows_of_long_inputs(kind):
     """75 rows of 4,096 inputs (past the per-thread scratch, off the 4-row tiles) in each code

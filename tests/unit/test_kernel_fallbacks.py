@@ -32,6 +32,7 @@ KERNEL_TESTS = [
     "tests/unit/test_int8_activations.py::test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them",
     "tests/unit/test_int8_activations.py::test_five_bit_codes_are_packed_as_nibbles_and_fifth_bits",
     "tests/unit/test_int8_activations.py::test_calls_of_many_rows_of_long_inputs",
+    "tests/unit/test_int8_activations.py::test_8_bit_codes_at_full_scale",
     "tests/unit/test_int8_activations.py::test_argmax_without_the_outputs_is_the_argmax_of_the_outputs",
     "tests/unit/test_linear_quant.py::test_checkpoint_int8_groups_are_used_exactly",
     "tests/unit/test_fused_ops.py",
