@@ -129,9 +129,7 @@ class Gemma3ForCausalLM(nn.Module):
             True: self.local_rope.cos_sin(positions, x.dtype),
         }
         if x.dtype == torch.float32 and fused.use_fused(meta) and kernels_take(x.dtype, kv_caches[0][0]):
-            whole_step = None  # decodes alone read out every row: only they may run as one C++ call
-            if output_rows is None:
-                whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=True)
+            whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=True)
             if whole_step is not None:
                 return whole_step(x, [rope[False], rope[True]], meta)
             mlp_out, post_ffn_norm = None, None

@@ -111,9 +111,7 @@ class LlamaForCausalLM(nn.Module):
             x = self.lm_head.embedding_rows(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if fused.use_fused(meta):
-            whole_step = None  # decodes alone read out every row: only they may run as one C++ call
-            if output_rows is None:
-                whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=False)
+            whole_step = decode_layers.for_step(self, x, meta, kv_caches, gemma=False)
             if whole_step is not None:
                 return whole_step(x, [(cos, sin)], meta)
             mlp_out = None
