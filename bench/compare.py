@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     from gemel.layers.kernel_plan import cpu_info
 
     cpu = cpu_info()
-    print(f"\nCPU {cpu.model} ({cpu.machine}), flags {' '.join(cpu.relevant_flags()) or '-'}; "
+    print(f"\n{cpu.describe()}; "
           f"servers run as: {'AVX2 only (--isa avx2)' if args.isa == 'avx2' else 'this CPU'}")
     print(f"model {args.model}; random dataset, {args.input_len} in / {args.output_len} out (ignore_eos), "
           f"temperature {args.temperature:g}, "

@@ -32,11 +32,6 @@ from gemel.engine.protocol import EngineCoreRequest
 from gemel.layers.kernel_plan import cpu_info
 
 
-def cpu_line() -> str:
-    cpu = cpu_info()
-    return f"CPU {cpu.model} ({cpu.machine}), flags {' '.join(cpu.relevant_flags()) or '-'}"
-
-
 def ttft(core: EngineCore, rid: str, prompt: list[int]) -> tuple[float, int]:
     """Seconds to the first output token, and the prompt tokens served from a cache."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -104,7 +99,7 @@ def main() -> int:
     rows.append(("disk, after a restart", *ttft(restarted, "restart", long_prompt)))
     del restarted
 
-    print(cpu_line())
+    print(cpu_info().describe())
     print(f"model {args.model}, prompt {args.prompt_len} tokens, pool {args.pool_tokens} tokens, disk {disk}")
     print(f"{'KV from':24} {'TTFT ms':>9} {'cached':>7} {'vs cold':>8}")
     cold = rows[0][1]

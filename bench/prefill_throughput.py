@@ -29,6 +29,7 @@ def main() -> int:
     import torch
 
     from gemel import LLM, SamplingParams
+    from gemel.layers.kernel_plan import cpu_info
 
     llm = LLM(args.model, max_num_seqs=args.prompts)
     vocab = llm.engine.core.loaded.arch.vocab_size
@@ -43,11 +44,7 @@ def main() -> int:
         llm.generate(prompt_token_ids=prompts, sampling_params=one_token, use_tqdm=False)
         times.append(time.perf_counter() - start)
     tokens = args.prompts * args.input_len
-    from gemel.layers.kernel_plan import cpu_info
-
-    cpu = cpu_info()
-    print(f"CPU {cpu.model} ({cpu.machine}), flags {' '.join(cpu.relevant_flags()) or '-'}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"{cpu_info().describe()}, {torch.get_num_threads()} threads")
     print(f"model {llm.engine.core.loaded.path}\n")
     print(f"| {args.prompts} prompts x {args.input_len} tokens | fastest | median |\n|---|---|---|")
     print(f"| seconds | {min(times):.3f} | {statistics.median(times):.3f} |")

@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             stop_server(proc)
-    print(f"\nCPU {cpu.model} ({cpu.machine}), flags {' '.join(cpu.relevant_flags()) or '-'}")
+    print(f"\n{cpu.describe()}")
     print(f"command: {shlex.join(['bench/soak.py', *(sys.argv[1:] if argv is None else argv)])}")
     print(f"{args.clients} clients for {args.minutes:g} min, {info['combos']} combinations over {len(PROMPTS)} prompts, "
           f"disconnect ratio {args.disconnect_ratio:g}, engine kill {'none' if args.no_kill else f'at {args.kill_at_minute:g} min'}")

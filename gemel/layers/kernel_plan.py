@@ -83,6 +83,10 @@ class CpuInfo:
     def relevant_flags(self) -> list[str]:
         return [f for f in RELEVANT_FLAGS if f in self.flags]
 
+    def describe(self) -> str:
+        """One line for a benchmark's output: numbers mean little without the CPU they came from."""
+        return f"CPU {self.model} ({self.machine}), flags {' '.join(self.relevant_flags()) or '-'}"
+
 
 @functools.cache
 def cpu_info() -> CpuInfo:
