@@ -1,0 +1,78 @@
+"""Milliseconds a decode step: B sequences decoding together, timed on the engine itself.
+
+What a C=B round spends between its prompt waves: B random prompts of --input-len tokens
+(distinct starts, so no prefix sharing) are prefilled, --warmup decode steps run, then --reps
+runs of --steps decode steps each are timed around ``EngineCore.step`` (so the scheduler,
+input preparation, the forward, the LM head and sampling, no HTTP). The contexts grow by one
+token a step, from --input-len on. A shared machine only ever slows a run down, so the table
+gives the fastest run and the median.
+
+    python bench/decode_steps.py                       # SmolLM2, batch 32, 192-token prompts
+    python bench/decode_steps.py --batch 1 --input-len 128
+    python bench/decode_steps.py --model ~/.cache/gemel/models/gemma-3-270m-q4_k_m.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=192)
+    ap.add_argument("--steps", type=int, default=25, help="decode steps per timed run")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    args = ap.parse_args()
+
+    import torch
+
+    from gemel import LLM, SamplingParams
+    from gemel.layers.kernel_plan import cpu_info
+
+    llm = LLM(os.path.expanduser(args.model), max_num_seqs=args.batch)
+    engine = llm.engine
+    vocab = engine.core.loaded.arch.vocab_size
+    rng = random.Random(0)
+    # Sequences whose prompts finish first start decoding first: enough tokens for every one to
+    # outlast the timed steps however the prompts' steps fall (each has at least one token).
+    total = args.warmup + args.steps * args.reps + args.batch * args.input_len + 1
+    params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = [1000 + i] + [rng.randrange(100, vocab - 100) for _ in range(args.input_len - 1)]
+        engine.add_request(str(i), None, params, prompt_token_ids=prompt)
+    core = engine.core
+    core.step()
+    while core.last_step_tokens != args.batch:  # the prompts' steps
+        core.step()
+    for _ in range(args.warmup):
+        core.step()
+    times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+            if core.last_step_tokens != args.batch:
+                raise SystemExit(f"a timed step ran {core.last_step_tokens} tokens, not {args.batch} decodes")
+        times.append((time.perf_counter() - start) * 1000 / args.steps)
+
+    print(cpu_info().describe())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
+    print(f"batch {args.batch}, prompts of {args.input_len} tokens, {args.reps} runs of {args.steps} decode steps")
+    print()
+    print("| ms a decode step | fastest run | median run | each run |")
+    print("|---|---|---|---|")
+    runs = " ".join(f"{t:.1f}" for t in times)
+    print(f"| batch {args.batch} | {min(times):.1f} | {statistics.median(times):.1f} | {runs} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
