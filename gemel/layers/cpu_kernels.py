@@ -101,6 +101,16 @@ def source_flags(isa: str, cpu: kernel_plan.CpuInfo | None = None) -> list[str]:
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
 
 
+def vector_math_flags(compiler: str) -> list[str]:
+    """glibc's vector maths (libmvec) for the link, where the C library has it. Under
+    -ffast-math GCC vectorises the kernels' exp through libmvec where the C library's headers
+    declare its vector variants: always on x86-64, on 64-bit ARM only from glibc 2.38 (Debian
+    12 and Ubuntu 22.04 have none; GCC then emits no such calls, and asking for the library
+    would only fail the link)."""
+    found = subprocess.run([compiler, "-print-file-name=libmvec.so"], capture_output=True, text=True).stdout.strip()
+    return ["-lmvec"] if os.path.isabs(found) else []
+
+
 def _build(target: Path, isa: str) -> None:
     """Compile the sources into ``target`` (written atomically, so concurrent builds are safe).
 
@@ -131,7 +141,8 @@ def _build(target: Path, isa: str) -> None:
         run([
             compiler, *map(str, objects), "-o", str(out), "-shared", "-fopenmp",
             # libgomp is PyTorch's own copy (same soname), so the kernel shares its thread pool.
-            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lmvec",
+            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+            *vector_math_flags(compiler),
         ])
         os.replace(out, target)
 

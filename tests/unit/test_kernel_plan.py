@@ -85,8 +85,11 @@ EM_AARCH64 = 183  # an ELF header's e_machine for 64-bit ARM
 @pytest.mark.skipif(ARM_CXX is None, reason="no aarch64-linux-gnu-g++ (scripts/install.sh installs it as root)")
 def test_the_portable_level_builds_for_arm(tmp_path):
     """Every kernel source compiles for 64-bit ARM at the portable level, with the flags a
-    build on an ARM CPU uses: no x86 intrinsic, header or flag outside its guards. Compiled,
-    not linked or run (that needs ARM's PyTorch and an ARM CPU)."""
+    build on an ARM CPU uses (no x86 intrinsic, header or flag outside its guards), and the
+    objects link into one library with the build's own system libraries: the cross compiler's
+    glibc (2.36, Debian 12's) has no vector maths library for ARM, which the link once asked
+    for on every machine. PyTorch's libraries are left out of the link (they would be ARM's),
+    and nothing is run."""
     arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
     flags = cpu_kernels.source_flags("portable", arm)
     assert not any(f.startswith(("-march", "-mtune", "-mavx")) for f in flags)
@@ -103,6 +106,14 @@ def test_the_portable_level_builds_for_arm(tmp_path):
     for name, _, _, obj in built:
         header = obj.read_bytes()[:20]
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == EM_AARCH64, name
+    library = tmp_path / "gemel_cpu_kernels.so"
+    link = subprocess.run([ARM_CXX, *(str(obj) for *_, obj in built), "-o", str(library), "-shared", "-fopenmp",
+                           *cpu_kernels.vector_math_flags(ARM_CXX)], capture_output=True, text=True)
+    assert link.returncode == 0, link.stderr[-1500:]
+    nm = shutil.which("aarch64-linux-gnu-nm")
+    if nm is not None and not cpu_kernels.vector_math_flags(ARM_CXX):
+        undefined = subprocess.run([nm, "-u", str(library)], capture_output=True, text=True, check=True).stdout
+        assert "_ZGV" not in undefined  # no vector maths call left without its library
 
 
 def test_native_bf16_only_where_the_level_computes_it():
