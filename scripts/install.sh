@@ -37,7 +37,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 # A cross compiler for 64-bit ARM, so the tests check that the kernels' portable level builds
-# there (tests/unit/test_kernel_plan.py; compiled only). Best effort: without it that test skips.
+# there (tests/unit/test_kernel_plan.py; compiled and linked, not run). Best effort: without it
+# that test skips.
 if [ "$(uname -m)" = x86_64 ] && ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; } \

@@ -86,10 +86,9 @@ EM_AARCH64 = 183  # an ELF header's e_machine for 64-bit ARM
 def test_the_portable_level_builds_for_arm(tmp_path):
     """Every kernel source compiles for 64-bit ARM at the portable level, with the flags a
     build on an ARM CPU uses (no x86 intrinsic, header or flag outside its guards), and the
-    objects link into one library with the build's own system libraries: the cross compiler's
-    glibc (2.36, Debian 12's) has no vector maths library for ARM, which the link once asked
-    for on every machine. PyTorch's libraries are left out of the link (they would be ARM's),
-    and nothing is run."""
+    objects link into one library with the build's own system libraries (the link once asked
+    for glibc's vector maths on every machine; Debian 12's ARM glibc, 2.36, has none). PyTorch's
+    libraries are left out of the link (they would be ARM's), and nothing is run."""
     arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
     flags = cpu_kernels.source_flags("portable", arm)
     assert not any(f.startswith(("-march", "-mtune", "-mavx")) for f in flags)
