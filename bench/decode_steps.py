@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
+
+from offline_throughput import random_prompts  # bench/, the script's own folder
 
 
 def main() -> int:
@@ -40,13 +41,11 @@ def main() -> int:
     llm = LLM(os.path.expanduser(args.model), max_num_seqs=args.batch)
     engine = llm.engine
     vocab = engine.core.loaded.arch.vocab_size
-    rng = random.Random(0)
     # Sequences whose prompts finish first start decoding first: enough tokens for every one to
     # outlast the timed steps however the prompts' steps fall (each has at least one token).
     total = args.warmup + args.steps * args.reps + args.batch * args.input_len + 1
     params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
-    for i in range(args.batch):
-        prompt = [1000 + i] + [rng.randrange(100, vocab - 100) for _ in range(args.input_len - 1)]
+    for i, prompt in enumerate(random_prompts(args.batch, args.input_len, vocab, seed=0)):
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
     core = engine.core
     core.step()
