@@ -3,14 +3,15 @@ against the C++ kernel that reads the cache in place (``engine.cpu_attention_ker
 bf16 cache, on an int8 one (``engine.kv_cache_dtype: int8``), and on the float16 cache under
 float32 queries that the AVX2 plan keeps (``GEMEL_CPU_ISA=avx2`` runs the AVX2 build).
 
-SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 queries (float32 for the
-float16 cache), each
+SmolLM2-135M's shapes by default (9 query heads, 3 KV heads, head_dim 64; Gemma 3 270M's:
+``--num-heads 4 --num-kv-heads 1 --head-dim 256``), bf16 queries (float32 for the float16 cache), each
 sequence's context on its own shuffled 16-slot blocks of a large cache, as the block manager
 hands them out; the attention alone (the new token's k and v are taken as stored). With ``--layers 1`` every call reads the same cache, which then stays in the
 CPU's caches; the default, one cache per layer of the model (30), reads them in turn as a
 decode step does, so the contexts come from memory. Prints microseconds per layer call.
 
     python bench/decode_attention.py --threads 2
+    python bench/decode_attention.py --cases 1x256,1x2048,1x8192 --num-heads 4 --num-kv-heads 1 --head-dim 256
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-slots", type=int, default=32768, help="cache slots per layer")
     p.add_argument("--layers", type=int, default=30, help="caches read in turn (1: one cache, kept in CPU caches)")
     p.add_argument("--passes", type=int, default=5, help="passes over the layers per timing")
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load():
         print("the C++ kernels could not be built here (see the warning above)")
         return 1
-    num_kv, num_heads, head_dim, block = 3, 9, 64, 16
+    num_kv, num_heads, head_dim, block = args.num_kv_heads, args.num_heads, args.head_dim, 16
     gen = torch.Generator().manual_seed(0)
     caches = {"bf16": [], "int8": [], "float16": []}
     for _ in range(args.layers):
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             queries = q.float() if kind == "float16" else q
 
             def call(layer: int) -> None:
-                paged_attention(queries, None, None, *layers[layer], meta, 0.125)  # the step's k, v: stored already
+                paged_attention(queries, None, None, *layers[layer], meta, head_dim**-0.5)  # the step's k, v: stored already
 
             with torch.inference_mode():
                 times.append(time_per_layer(call, args.layers, args.passes))

@@ -106,6 +106,48 @@ def test_decode_kernel_equals_torch_decode_attention(dtype, sliding_window, dim,
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("sliding_window", [None, 300])
+@pytest.mark.parametrize("kv", ["model", "int8", "float16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_long_decodes_split_their_keys_across_threads(threads, sliding_window, kv, dtype):
+    """With fewer decode tasks than threads to keep busy (one sequence, one KV head: Gemma 3 at
+    batch 1), the kernel cuts each task's keys into runs attended on different threads and
+    merges the runs' softmax sums after; the result must be the unsplit one. Contexts of 1,000
+    keys (cut), 2,000 beside a 63-key one (the short one too short to cut), and 63 alone."""
+    _kernel_available()
+    if kv == "float16" and dtype != torch.float32:
+        pytest.skip("a float16 cache is kept under float32 queries only")
+    torch.manual_seed(3)
+    num_slots, block, dim, heads = 4096, 16, 64, 4
+    k_cache = _cache(torch.randn(1, num_slots, dim), dtype, kv)
+    v_cache = _cache(torch.randn(1, num_slots, dim), dtype, kv)
+    blocks = torch.randperm(num_slots // block).tolist()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lengths in ([1000], [2000, 63], [63]):
+            contexts, used = [], 0
+            for n in lengths:
+                count = -(-n // block)
+                contexts.append([b * block + i for b in blocks[used : used + count] for i in range(block)][:n])
+                used += count
+            q = torch.randn(len(lengths), heads, dim).to(dtype)
+            rows = [range(i, i + 1) for i in range(len(lengths))]
+            outs = []
+            for kernel in (False, True):
+                group = build_group(rows, [[n - 1] for n in lengths], contexts, sliding_window, torch.device("cpu"),
+                                    masks=not kernel)
+                meta = AttentionMetadata(slot_mapping=torch.tensor([c[-1] for c in contexts]), groups=[group],
+                                         num_tokens=len(lengths), decode_kernel=kernel)
+                outs.append(paged_attention(q, None, None, k_cache, v_cache, meta, scale=dim**-0.5,
+                                            use_sliding_window=sliding_window is not None).float())
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_decode_queries_read_in_place_only_when_consecutive():
     """A decode group over consecutive rows hands the kernel q's rows in place; any other
     order gathers them, with the same result per sequence."""

@@ -37,6 +37,7 @@ KERNEL_TESTS = [
     "tests/unit/test_linear_quant.py::test_checkpoint_int8_groups_are_used_exactly",
     "tests/unit/test_fused_ops.py",
     "tests/unit/test_attention.py::test_decode_kernel_equals_torch_decode_attention",
+    "tests/unit/test_attention.py::test_few_long_decodes_split_their_keys_across_threads",
     "tests/unit/test_attention.py::test_prefill_kernel_equals_torch_prefill_attention",
     "tests/unit/test_kv_cache_fp16.py::test_decode_and_prefill_kernels_read_float16_rows_as_the_pytorch_path",
     "tests/unit/test_kernel_plan.py",

@@ -3,7 +3,8 @@
 // sequence) and prefill (each query token of a prompt against its own causal prefix).
 //
 // One task per (query token, KV head): the GQA query heads that share that KV head are scored
-// together, so each cached key and value row is read once per task. Prefill on AVX-512 CPUs
+// together, so each cached key and value row is read once per task; too few tasks to share out
+// (one sequence decoding) have their keys cut into runs for the threads (KeyRun). Prefill on AVX-512 CPUs
 // takes tiles of consecutive tokens instead (prefill_attention_tiled below), on AMX tiles
 // where the CPU has them and the queries are bf16. Scores, softmax and the weighted sum are
 // float32 (on AMX: products of bf16 values summed in float32). Tasks run on PyTorch's own
@@ -755,6 +756,36 @@ inline bool weigh_values_fast(int64_t group, const float* probs, const at::BFloa
 
 #endif
 
+// A task's keys, or a run of them. With fewer tasks than the threads can share evenly (one
+// sequence decoding, and few KV heads: Gemma 3 has one), each task's keys are split into runs
+// that the threads attend apart, and the runs' results are merged afterwards, as vLLM's
+// paged attention v2 and flash-decoding do: a run keeps its scores' largest value, the sum of
+// their exponentials from it and the values weighed by them.
+struct KeyRun {
+  int64_t task, begin, count;  // begin: the run's first key among the task's keys
+};
+
+// Runs shorter than this are not split off: each costs its query's preparation and a merge.
+constexpr int64_t kMinRunKeys = 64;
+
+// The runs of each task: one a task unless the tasks are too few to keep `threads` busy, in
+// which case each is cut into runs of about total / (2 threads) keys (at least kMinRunKeys).
+template <typename K>
+std::vector<KeyRun> key_runs(int64_t tasks, const K& keys_of, int threads) {
+  std::vector<KeyRun> runs;
+  runs.reserve(tasks);
+  int64_t total = 0;
+  for (int64_t t = 0; t < tasks; ++t) total += keys_of(t);
+  const int64_t target = std::max<int64_t>(kMinRunKeys, (total + 2 * threads - 1) / (2 * threads));
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t n = keys_of(t);
+    const int64_t parts =
+        threads > 1 ? std::max<int64_t>(1, std::min((n + target - 1) / target, n / kMinRunKeys)) : 1;
+    for (int64_t i = 0; i < parts; ++i) runs.push_back({t, n * i / parts, n * (i + 1) / parts - n * i / parts});
+  }
+  return runs;
+}
+
 // One query token per row b of q. Its keys are the first context_lens[b] slots of row
 // token_seq[b] of kv_slots (row b when token_seq is null: decode, one token per sequence;
 // prefill tokens of one sequence share its row, each with its own causal length). The cache
@@ -771,12 +802,25 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
     const int64_t len = context_lens[task / num_kv];
     return window > 0 ? std::min(len, window) : len;
   };
-  const auto attend = [&](int64_t task, NextRows* next) {
+  const auto slots_of = [&](int64_t task, int64_t begin) {  // the slot of a task's key `begin`
+    const int64_t b = task / num_kv;
+    return kv_slots + (token_seq != nullptr ? token_seq[b] : b) * max_ctx + context_lens[b] - keys_of(task) + begin;
+  };
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const std::vector<KeyRun> runs = key_runs(batch * num_kv, keys_of, threads);
+  const bool split = static_cast<int64_t>(runs.size()) > batch * num_kv;
+  // Split runs leave their partial results here: per run, per query head, the scores' largest
+  // value and the sum of exp(score - it), then the values weighed by those exponentials.
+  const int64_t partial_width = group * (2 + head_dim);
+  std::vector<float> partials(split ? runs.size() * partial_width : 0);
+  const auto attend = [&](int64_t r, NextRows* next) {
     thread_local std::vector<float> query, acc, row, total, scores;
     query.resize(group * head_dim), acc.resize(group * head_dim), row.resize(head_dim), total.resize(group);
-    const int64_t b = task / num_kv, h = task % num_kv;
-    const int64_t n = keys_of(task), start = context_lens[b] - n;
-    const int64_t* slots = kv_slots + (token_seq != nullptr ? token_seq[b] : b) * max_ctx + start;
+    const KeyRun& run = runs[r];
+    const int64_t b = run.task / num_kv, h = run.task % num_kv;
+    const int64_t n = run.count;
+    const bool whole = run.count == keys_of(run.task);
+    const int64_t* slots = slots_of(run.task, run.begin);
     const T* q_rows = q + (b * num_heads + h * group) * head_dim;
     T* out_rows = out + (b * num_heads + h * group) * head_dim;
     if (n <= 0) {
@@ -801,6 +845,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
         score_keys(query.data(), k_head, v_head, slots, n, group, head_dim, scores.data(), row.data(), next);
     }
     // Softmax per query head (unnormalised; divided out at the end).
+    float* partial = whole ? nullptr : partials.data() + r * partial_width;
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores.data() + g * n;
       const float peak = row_max(s, n);
@@ -811,6 +856,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
         sum += s[t];
       }
       total[g] = sum;
+      if (partial != nullptr) partial[g] = peak, partial[group + g] = sum;
     }
     // Weighted sum of the values: one pass over the values.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -824,10 +870,46 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
       else
         weigh_values(scores.data(), v_head, slots, n, group, head_dim, acc.data(), row.data(), next);
     }
+    if (partial != nullptr) {
+      std::copy(acc.begin(), acc.end(), partial + 2 * group);
+      return;
+    }
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < head_dim; ++d)
         out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] / total[g]);
   };
+  // The split tasks' runs merged: each run's sums rescaled from its own largest score to the
+  // task's.
+  const auto merge = [&]() {
+    std::vector<float> weight, acc(group * head_dim);
+    for (size_t first = 0; first < runs.size();) {
+      size_t last = first + 1;
+      while (last < runs.size() && runs[last].task == runs[first].task) ++last;
+      if (last - first > 1) {
+        const int64_t task = runs[first].task, b = task / num_kv, h = task % num_kv;
+        T* out_rows = out + (b * num_heads + h * group) * head_dim;
+        weight.resize(last - first);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t g = 0; g < group; ++g) {
+          float peak = partials[first * partial_width + g], total = 0.f;
+          for (size_t r = first + 1; r < last; ++r) peak = std::max(peak, partials[r * partial_width + g]);
+          for (size_t r = first; r < last; ++r) {
+            const float* partial = partials.data() + r * partial_width;
+            weight[r - first] = std::exp(partial[g] - peak);
+            total += weight[r - first] * partial[group + g];
+          }
+          for (size_t r = first; r < last; ++r) {
+            const float* values = partials.data() + r * partial_width + 2 * group + g * head_dim;
+            const float w = weight[r - first] / total;
+            for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += w * values[d];
+          }
+          for (int64_t d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+        }
+      }
+      first = last;
+    }
+  };
+  const int64_t count = static_cast<int64_t>(runs.size());
 #if defined(GEMEL_ATTENTION_AVX2)
 #if defined(__AVX512F__)
   // In the AVX-512 builds, the float32 queries that the grouped 8-lane loops serve; their
@@ -847,28 +929,30 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int6
     // 32 x 192 keys 248-315 against 240-272 us, 32 x 512 579-669 against 618-712.)
     const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(C));
     gemel::parallel_ranges(
-        batch * num_kv, [&](int64_t task) { return keys_of(task) + 16; },
+        count, [&](int64_t r) { return runs[r].count + 16; },
         [&](int64_t begin, int64_t end) {
           NextRows next;
           next.row_bytes = row_bytes;
-          for (int64_t task = begin; task < end; ++task) {
+          for (int64_t r = begin; r < end; ++r) {
             next.n = next.fetched = 0;
-            if (task + 1 < end) {
-              const int64_t b = (task + 1) / num_kv, h = (task + 1) % num_kv;
-              next.n = keys_of(task + 1);
-              next.slots = kv_slots + b * max_ctx + context_lens[b] - next.n;
-              next.k_head = reinterpret_cast<const char*>(k_cache + h * num_slots * row_width);
-              next.v_head = reinterpret_cast<const char*>(v_cache + h * num_slots * row_width);
+            if (r + 1 < end) {
+              const KeyRun& following = runs[r + 1];
+              next.n = following.count;
+              next.slots = slots_of(following.task, following.begin);
+              next.k_head = reinterpret_cast<const char*>(k_cache + (following.task % num_kv) * num_slots * row_width);
+              next.v_head = reinterpret_cast<const char*>(v_cache + (following.task % num_kv) * num_slots * row_width);
             }
-            next.start(2 * keys_of(task));
-            attend(task, &next);
+            next.start(2 * runs[r].count);
+            attend(r, &next);
             next.fetch_to(next.n);  // what the task's loops did not ask for
           }
         });
+    if (split) merge();
     return;
   }
 #endif
-  gemel::parallel_items(batch * num_kv, [&](int64_t task) { attend(task, nullptr); });
+  gemel::parallel_items(count, [&](int64_t r) { attend(r, nullptr); });
+  if (split) merge();
 }
 
 #if defined(__AVX512F__)
