@@ -182,6 +182,7 @@ void gemm_pairs(const at::BFloat16* x, const at::BFloat16* x_tail, int64_t rows,
 
 bool amx_bf16_gemm_available() { return amx_usable(); }
 
+#if defined(GEMEL_AMX)
 // x's last, partial tile of rows as a zero-padded copy (undefined when rows % 16 == 0).
 at::Tensor padded_tail(const at::Tensor& xc) {
   const int64_t rows = xc.size(0), tail_rows = rows % 16;
@@ -190,6 +191,7 @@ at::Tensor padded_tail(const at::Tensor& xc) {
   tail.narrow(0, 0, tail_rows).copy_(xc.narrow(0, rows - tail_rows, tail_rows));
   return tail;
 }
+#endif
 
 at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& w_tiles, int64_t out_features, int64_t gated) {
   TORCH_CHECK(amx_usable(), "amx_bf16_gemm needs a CPU with AMX-BF16 and a kernel build for it");
