@@ -22,6 +22,7 @@ from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import SpecStats, make_proposer
 from gemel.engine.step_budget import StepTimeModel, prefill_keys
 from gemel.layers.kernel_plan import plan_for_config
+from gemel.layers import stream_prefetch
 from gemel.layers.linear import apply_plan_
 from gemel.loader.model_loader import LoadedModel, load_model, stores_weight_groups
 from gemel.platform import select_device, select_dtype
@@ -70,6 +71,9 @@ class EngineCore:
         log.info("kernel plan: %s", self.plan.describe())
         self.weight_quant = self.plan.weight_quant
         apply_plan_(self.loaded.model, self.plan, keep_dense=self.config.compile)
+        prefetch = stream_prefetch.tune(self.loaded.model, self.plan)
+        if prefetch is not None:
+            log.info("AVX2 tiles: %s", prefetch.describe())
 
     def _build_kv_cache(self) -> tuple[torch.dtype, int]:
         """The KV cache's element type and size in blocks, and the block manager."""

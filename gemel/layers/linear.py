@@ -91,6 +91,12 @@ class Linear(nn.Module):
             lin.checkpoint_int8 = functools.partial(w.int8_groups, [name])
         return lin
 
+    @property
+    def int8_act_codes(self) -> torch.Tensor | None:
+        """int8_act_gemm's packed codes, [blocks of 16 outputs, groups of 32 inputs, bytes a group
+        and block] (512: 8-bit codes, 320: 5-bit, 256: 4-bit); None before add_int8_activation_gemm_."""
+        return self._int8_act_args[0] if self._int8_act_args else None
+
     def serves_embedding_rows(self) -> bool:
         """Whether ``embedding_rows`` can read this weight's rows: 8-bit codes packed for
         int8_act_gemm (GGUF Q8_0, one scale per 32) and no dense weight kept beside them."""

@@ -426,3 +426,41 @@ def test_a_tied_head_on_4_bit_codes_keeps_the_table():
     model = _TiedModel(_int4_groups(40, 64, seed=3), torch.float32)
     quantize_model_(model, "none", 0, int8_activations=True)
     assert model.lm_head.weight is None and not share_tied_table_(model) and model.embed_tokens is not None
+
+
+@pytest.mark.parametrize("kind", ["int4", "q4_0", "int8", "five", "sixteen"])
+def test_asking_ahead_for_the_weights_changes_no_output(kind):
+    """The AVX2 tiles' switch for asking ahead for streamed weights (set by the engine from
+    timings, gemel/layers/stream_prefetch.py) moves only the time: calls of 1, 2 and 5 rows (a
+    trailing 1-row tile), long enough inputs that the asking reaches past the first groups,
+    give the same values bit for bit with each kind of codes asked for or not."""
+    assert cpu_kernels.load()
+    out_f, in_f = 40, 4096
+    if kind == "five":
+        groups = _five_bit_groups(out_f, in_f, seed=3)
+    elif kind == "sixteen":
+        groups = _int8_groups_of_16(out_f, in_f, seed=3)
+    else:
+        groups = _groups(kind, out_f, in_f, seed=3)
+    lin = _linear(groups)
+    assert lin.add_int8_activation_gemm_()
+    x = torch.randn(5, in_f, generator=torch.Generator().manual_seed(3))
+    before = torch.ops.gemel.set_stream_prefetch(3)
+    try:
+        want = {rows: lin(x[:rows]) for rows in (1, 2, 5)}
+        torch.testing.assert_close(want[5], _int8_activation_product(x, groups.dequantize()), atol=1e-3, rtol=1e-4)
+        for kinds in (0, 1, 2):
+            assert torch.ops.gemel.set_stream_prefetch(kinds) in (3, 0, 1)
+            assert torch.ops.gemel.set_stream_prefetch(-1) == kinds
+            for rows, y in want.items():
+                assert torch.equal(lin(x[:rows]), y)
+    finally:
+        torch.ops.gemel.set_stream_prefetch(before)
+
+
+def test_the_asking_ahead_switch_refuses_other_kinds():
+    assert cpu_kernels.load()
+    for kinds in (4, 7, -2):
+        with pytest.raises(RuntimeError, match="kinds is -1"):
+            torch.ops.gemel.set_stream_prefetch(kinds)
+    assert torch.ops.gemel.set_stream_prefetch(-1) in (0, 1, 2, 3)

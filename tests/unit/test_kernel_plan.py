@@ -266,6 +266,7 @@ def test_gemel_info_prints_the_cpu_the_level_and_the_plan(capsys, monkeypatch):
         assert main(["info", "--cpu-isa", "avx2"]) == 0
         text = capsys.readouterr().out
         assert "level:    avx2" in text and "int8_act_gemm" in text and "dtype float32" in text
+        assert "prefetch: timed at engine start" in text  # the AVX2 tiles' asking ahead (stream_prefetch)
     assert main(["info", "--dtype", "float32"]) == 0
     assert "weight_quant none" in capsys.readouterr().out  # float32 by name: the exact dense sums
 

@@ -34,6 +34,7 @@
 #include "silu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -51,6 +52,23 @@
 #endif
 
 namespace {
+
+// Which codes the AVX2 tiles ask for ahead of use in calls of one or two rows (a decode step's,
+// which stream their weights from memory): kStreamBytes, 8-bit codes and Q6_K's 6-bit ones;
+// kStreamNibbles, 4- and 5-bit codes. Whether asking pays depends on the CPU's own prefetchers
+// (see kPrefetchAhead), so the engine times both ways on its model at start-up
+// (gemel/layers/stream_prefetch.py) and sets this once, before it serves. Only the AVX2 build
+// reads it; the results are the same either way, bit for bit.
+constexpr int64_t kStreamBytes = 1, kStreamNibbles = 2;
+std::atomic<int64_t> stream_prefetch_kinds{kStreamBytes | kStreamNibbles};
+
+// Sets the kinds (a mask of kStreamBytes and kStreamNibbles) and returns the previous ones;
+// -1 only reads them.
+int64_t set_stream_prefetch(int64_t kinds) {
+  TORCH_CHECK(kinds >= -1 && kinds <= (kStreamBytes | kStreamNibbles),
+              "set_stream_prefetch: kinds is -1 (read only) or a mask of 1 (8-bit and 6-bit codes) and 2 (4- and 5-bit)");
+  return kinds < 0 ? stream_prefetch_kinds.load() : stream_prefetch_kinds.exchange(kinds);
+}
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
@@ -308,6 +326,9 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
 // codes, into L1: Gemma 3's 178 MB Q8_0 LM head, batch-1 step 11.1-11.4 -> 10.2-10.3 ms on a
 // Zen 5 capped at AVX2. 4-bit codes, into L2 (into L1 it made no difference): SmolLM2's
 // batch-1 step 6.85 -> 6.15-6.19 ms on a Zen 4 capped at AVX2 (Gemma 3's within the noise).
+// On an AMD Zen 2 the 8-bit codes' asking costs instead: the same head at one row 7.3 ms with
+// it, 6.25 without (a plain 2-thread read of its bytes: 5.4-5.7), so it is a switch
+// (stream_prefetch_kinds) that the engine sets by timing.
 constexpr int64_t kPrefetchAhead = 4096;
 
 // 8 scales or offsets, stored as float32 or float16.
@@ -354,12 +375,14 @@ void unpack_five_half(const uint8_t* w, int64_t groups, int64_t block, int half,
 }
 
 // kRows rows of x against one half (`half`: outputs 0-7 or 8-15) of output block `block`.
-// kBytes (5-bit codes): that half's codes already as bytes in `unpacked` (unpack_five_half).
+// ask_ahead: a tile of 1-2 rows asks for the weights kPrefetchAhead bytes on (the caller reads
+// stream_prefetch_kinds). kBytes (5-bit codes): that half's codes already as bytes in
+// `unpacked` (unpack_five_half).
 // kSix (with kSub16): 6-bit codes 0-63 with zero point 32, zero_sum per 16 codes.
 template <int kRows, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, bool kBytes, bool kSix, typename S, typename T>
 void tile_half(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t in_features, int64_t out_features,
-               int64_t block, int half, const uint8_t* unpacked = nullptr) {
+               int64_t block, int half, bool ask_ahead, const uint8_t* unpacked = nullptr) {
   const int64_t groups = in_features / kGroup;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // widens int16 pairs (not with AVX-VNNI)
   using Fresh = std::true_type;  // a step whose sums start the group's (see `step` below)
@@ -370,7 +393,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
     const int8_t* xg = codes + g * kGroup;
     if constexpr (kSix) {
       const uint8_t* wg = w + (block * groups + g) * kBlockBytes + half * 32;
-      if (half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
+      if (ask_ahead && half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
         for (int line = 0; line < 8; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T0);
       }
@@ -408,7 +431,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
       const uint8_t* wg = w + (block * groups + g) * kGroupBytes + half * 32;
       const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
       __m256i sum16[kRows];
-      if (!kBytes && half == 0 && kRows <= 2) {  // a decode step streams the weights: into L2 ahead of use
+      if (ask_ahead && !kBytes && half == 0 && kRows <= 2) {  // a decode step streams the weights: into L2 ahead of use
         for (int line = 0; line < kGroupBytes / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T1);
       }
@@ -484,7 +507,7 @@ void tile_half(const int8_t* codes, const float* unit, const float* code_sum, co
 #endif
     } else {
       const uint8_t* wg = w + (block * groups + g) * kBlockBytes + half * 32;
-      if (half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
+      if (ask_ahead && half == 0 && kRows <= 2) {  // a decode step streams the weights: ask for them ahead
         for (int line = 0; line < 8; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64 * line), _MM_HINT_T0);
       }
@@ -584,6 +607,8 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
   const int64_t block_lines = groups * kGroupBytes / 64;
   const int64_t tiles_per_block = 2 * ((rows + kTileRows - 1) / kTileRows);
   const int64_t lines_per_tile = rows > 2 ? (block_lines + tiles_per_block - 1) / tiles_per_block : 0;
+  const bool ask_ahead =
+      (stream_prefetch_kinds.load(std::memory_order_relaxed) & (kNibbles ? kStreamNibbles : kStreamBytes)) != 0;
   for (int64_t b = b0; b < b1; ++b) {
     const char* next = reinterpret_cast<const char*>(w + (b + 1) * groups * kGroupBytes);
     int64_t next_line = b + 1 < b1 ? 0 : block_lines;
@@ -600,7 +625,7 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
         const float *u = unit + m * groups, *s = code_sum + m * groups;
         const int32_t* z = kIntZero && zero_sum != nullptr ? zero_sum + m * groups * (kSub16 ? 2 : 1) : nullptr;
         T* out = y + m * out_features;
-#define GEMEL_TILE_HALF(R, B) tile_half<R, kNibbles, kIntZero, kSub16, kFive, B, kSix, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, unpacked)
+#define GEMEL_TILE_HALF(R, B) tile_half<R, kNibbles, kIntZero, kSub16, kFive, B, kSix, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, b, half, ask_ahead, unpacked)
         const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - m);
         if (unpacked != nullptr) {
           switch (tile_rows) {
@@ -637,7 +662,7 @@ template <bool kNibbles, bool kIntZero, bool kSub16, typename S, bool kFive = fa
 void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                  const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                  int64_t out_features, int64_t b0, int64_t b1) {
-  const int64_t groups = in_features / kGroup;
+  [[maybe_unused]] const int64_t groups = in_features / kGroup;  // the portable loops' own
 #if defined(GEMEL_VNNI)
   // 6-bit codes (kSix) are bytes to the VNNI tiles like any others, their zero point 32 taken
   // off the integer sums; 5-bit codes are stored as bytes for these tiles (pack_group_codes).
@@ -1018,6 +1043,7 @@ TORCH_LIBRARY_FRAGMENT(gemel, m) {
   m.def("int8_act_gemm_argmax(Tensor x, Tensor codes, Tensor d, Tensor low, int out_features, int zero_point=0) "
         "-> Tensor");
   m.def("embedding_rows(Tensor codes, Tensor scale, Tensor ids, int rows) -> Tensor");
+  m.def("set_stream_prefetch(int kinds) -> int", &set_stream_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(gemel, CPU, m) {

@@ -1,0 +1,80 @@
+"""Asking ahead for a decode step's weights, decided by timing on this CPU
+(gemel/layers/stream_prefetch.py): where it runs, what it sets, and where it stays out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gemel.layers import cpu_kernels, kernel_plan, stream_prefetch
+from gemel.layers.linear import Linear
+from gemel.models.weights import Int4Groups, Int8Groups
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs the C++ kernels")
+
+
+@pytest.fixture
+def kinds_restored():
+    before = stream_prefetch.current_kinds()
+    yield
+    stream_prefetch.set_kinds(before)
+
+
+def _model() -> nn.Module:
+    """Two projections on 4-bit codes and an LM-head-like one on 8-bit codes, packed for
+    int8_act_gemm as the AVX2 plan packs a checkpoint's groups."""
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for out_f, in_f, bits in ((96, 64, 4), (64, 96, 4), (200, 64, 8)):
+        scale = torch.rand(out_f, in_f // 32, generator=g) * 0.01 + 0.001
+        if bits == 4:
+            groups = Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g), scale, 8 * scale)
+        else:
+            groups = Int8Groups(torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, generator=g), scale)
+        lin = Linear(groups.dequantize())
+        if bits == 4:
+            lin.checkpoint_int4 = lambda groups=groups: groups
+        else:
+            lin.checkpoint_int8 = lambda groups=groups: groups
+        assert lin.add_int8_activation_gemm_()
+        lin.weight = None  # as the every-call plan leaves it: the codes alone
+        layers.append(lin)
+    return nn.Sequential(*layers)
+
+
+def _avx2_plan() -> kernel_plan.KernelPlan:
+    plan, _ = kernel_plan.plan_engine(device=torch.device("cpu"), dtype=torch.float32, dtype_requested="auto",
+                                      weight_quant="auto", cpu_isa="avx2")
+    return plan
+
+
+@pytest.mark.skipif(kernel_plan.isa_rank(kernel_plan.resolve_isa()) < kernel_plan.isa_rank("avx2"),
+                    reason="needs a CPU with AVX2")
+def test_the_faster_way_is_set_for_each_kind_of_codes(kinds_restored):
+    plan = _avx2_plan()
+    assert plan.isa == "avx2" and plan.int8_activations
+    choice = stream_prefetch.tune(_model(), plan, min_bytes=0)
+    assert choice is not None and choice.kinds == stream_prefetch.current_kinds()
+    assert set(choice.pass_ms) == {"8-bit codes", "4-/5-bit codes"}
+    for asking, not_asking in choice.pass_ms.values():
+        assert asking > 0 and not_asking > 0
+    text = choice.describe()
+    assert "8-bit codes" in text and "4-/5-bit codes" in text and "ms asking" in text
+
+
+def test_nothing_is_timed_off_the_avx2_plan_or_for_weights_the_caches_hold(kinds_restored):
+    stream_prefetch.set_kinds(2)
+    model = _model()
+    portable, _ = kernel_plan.plan_engine(device=torch.device("cpu"), dtype=torch.float32, dtype_requested="auto",
+                                          weight_quant="auto", cpu_isa="portable")
+    assert stream_prefetch.tune(model, portable, min_bytes=0) is None
+    if kernel_plan.isa_rank(kernel_plan.resolve_isa()) >= kernel_plan.isa_rank("avx2"):
+        assert stream_prefetch.tune(model, _avx2_plan()) is None  # a few KB: below MIN_STREAM_BYTES
+    assert stream_prefetch.current_kinds() == 2
+
+
+def test_code_kinds():
+    assert stream_prefetch.code_kind(torch.empty(2, 3, 512, dtype=torch.uint8)) == stream_prefetch.BYTE_CODES
+    for width in (256, 320):
+        assert stream_prefetch.code_kind(torch.empty(2, 3, width, dtype=torch.uint8)) == stream_prefetch.NIBBLE_CODES
