@@ -21,8 +21,8 @@ from gemel.engine.scheduler import Scheduler, SchedulerConfig
 from gemel.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gemel.engine.spec_decode import SpecStats, make_proposer
 from gemel.engine.step_budget import StepTimeModel, prefill_keys
-from gemel.layers.kernel_plan import plan_for_config
 from gemel.layers import stream_prefetch
+from gemel.layers.kernel_plan import plan_for_config
 from gemel.layers.linear import apply_plan_
 from gemel.loader.model_loader import LoadedModel, load_model, stores_weight_groups
 from gemel.platform import select_device, select_dtype

@@ -27,7 +27,7 @@ KIND_NAMES = {BYTE_CODES: "8-bit codes", NIBBLE_CODES: "4-/5-bit codes"}
 # Fewer bytes than this may be read from the caches, where asking ahead changes nothing to time.
 MIN_STREAM_BYTES = 48 << 20
 ROUNDS = 3  # passes each way, alternated; the medians are compared
-MARGIN = 0.03  # a kind changes from its default only where the other way is this much faster
+MARGIN = 0.03  # a kind's setting changes only where the other way is this much faster
 
 
 @dataclass(frozen=True)
