@@ -109,6 +109,11 @@ class EngineConfig(BaseModel):
         description="use the packed low-bit kernels up to this many rows; default 8 where gemel's "
         "AVX512-VNNI kernel serves the 4-bit groups, else 4 (PyTorch's kernels lose beyond that)",
     )
+    memory_allocator: Literal["auto", "system"] = Field(
+        "auto",
+        description="the engine process's malloc: auto preloads jemalloc where the system (or Ray's wheel) has it, "
+        "fewer cycles per tensor a step makes; system keeps the C library's (a served engine process only)",
+    )
     cpu_attention_kernel: bool = Field(
         True,
         description="decode and prefill attention through a C++ kernel that reads the paged KV cache in place (CPU; "

@@ -36,6 +36,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "note: redis-server missing (install it as root with apt) so the shared rate-limit tests will skip" >&2
   fi
 fi
+# jemalloc for the served engine process (engine.memory_allocator: auto preloads it; a few
+# percent of a decode step's time on glibc's malloc). Best effort: without it (nor Ray's copy)
+# the engine keeps the C library's malloc and tests/unit/test_allocator.py's real-library checks skip.
+if ! compgen -G "/usr/lib/*/libjemalloc.so.2" >/dev/null && [ ! -e /usr/lib64/libjemalloc.so.2 ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2 >/dev/null; } \
+      || echo "warning: could not install libjemalloc2; the engine will use glibc's malloc" >&2
+  else
+    echo "note: libjemalloc2 missing (install it as root with apt) so the engine uses glibc's malloc" >&2
+  fi
+fi
 # A cross compiler for 64-bit ARM, so the tests check that the kernels' portable level builds
 # there (tests/unit/test_kernel_plan.py; compiled and linked, not run). Best effort: without it
 # that test skips.

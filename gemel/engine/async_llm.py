@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from gemel.config import EngineConfig
+from gemel.engine import allocator
 from gemel.engine.core_proc import AbortRequests, AddRequests, Failed, Ready, Shutdown, StepResult, run_engine_core
 from gemel.engine.output_processor import OutputProcessor, RequestOutput, RequestState, child_params
 from gemel.engine.protocol import EngineCoreRequest, EngineStats, TenantQuota
@@ -187,7 +188,8 @@ class AsyncLLM:
             name="gemel-engine",
             daemon=True,
         )
-        self._proc.start()
+        with allocator.preloaded_for_child(self.config.memory_allocator):  # jemalloc, for the engine alone
+            self._proc.start()
         child_in.close()
         child_out.close()
         self._outbox = queue.SimpleQueue()

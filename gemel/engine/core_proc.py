@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gemel.engine.allocator import in_use as allocator_in_use
 from gemel.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 log = logging.getLogger("gemel.engine.proc")
@@ -82,6 +83,7 @@ def run_engine_core(
             # compiled kernels keep the thread count they were compiled with, so none adapts
             # later: leave one core to the front end, as a busy one would take it anyway
             engine_config = engine_config.model_copy(update={"num_threads": max(1, _cores() - 1)})
+        log.info("memory allocator: %s", allocator_in_use())
         core = EngineCore(engine_config)
         core.runner.prefault_kv()  # a server's memory is resident from the start
         freeze_heap()
