@@ -23,7 +23,7 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
     import torch
 
     from gemel.config import load_config
-    from gemel.layers import cpu_kernels, kernel_plan
+    from gemel.layers import cpu_kernels, kernel_plan, stream_prefetch
     from gemel.loader.model_loader import stores_weight_groups
     from gemel.platform import select_device, select_dtype
 
@@ -65,7 +65,7 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
         # the AVX2 tiles' asking ahead for streamed weights: decided by timing when an engine starts
         "stream_prefetch": ("timed at engine start: calls of 1-2 rows ask for their weights ahead where that is faster "
                             "on this CPU, for 8-bit and 4-/5-bit codes apart (the engine logs what it chose)"
-                            if plan.kernels and plan.isa == "avx2" and plan.int8_activations else None),
+                            if stream_prefetch.applies(plan) else None),
         "warnings": warnings,
         "kernel_cache": cache,
     }

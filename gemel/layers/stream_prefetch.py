@@ -58,13 +58,18 @@ def code_kind(codes: torch.Tensor) -> int:
     return BYTE_CODES if codes.shape[-1] == 512 else NIBBLE_CODES
 
 
+def applies(plan: KernelPlan) -> bool:
+    """Whether an engine on this plan times the asking ahead: the AVX2 build's int8_act_gemm tiles."""
+    return plan.kernels and plan.isa == "avx2" and plan.int8_activations
+
+
 def tune(model: nn.Module, plan: KernelPlan, min_bytes: int = MIN_STREAM_BYTES) -> PrefetchChoice | None:
     """Times the model's int8_act_gemm weights at one row with and without asking ahead, per kind
     of codes, and sets the faster. None (nothing changed) off the AVX2 build, or where the
     weights are too few to stream from memory."""
     from gemel.layers.linear import Linear
 
-    if not (plan.kernels and plan.isa == "avx2" and plan.int8_activations):
+    if not applies(plan):
         return None
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.int8_act_codes is not None]
     if sum(m.int8_act_codes.numel() for m in linears) < min_bytes:
