@@ -62,7 +62,7 @@ def gather(config_path: str | None = None, cpu_isa: str | None = None, dtype: st
         "dtype": str(chosen).removeprefix("torch."),
         "plan": [{"rows": rows, "kernel": kernel} for rows, kernel in plan.rows_table()],
         "weight_quant": plan.weight_quant,
-        # the AVX2 tiles' asking ahead for streamed weights: decided by timing when an engine starts
+        # the AVX2 and AVX-512 tiles' asking ahead for streamed weights: decided by timing when an engine starts
         "stream_prefetch": ("timed at engine start: calls of 1-2 rows ask for their weights ahead where that is faster "
                             "on this CPU, for 8-bit and 4-/5-bit codes apart (the engine logs what it chose)"
                             if stream_prefetch.applies(plan) else None),

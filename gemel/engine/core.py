@@ -73,7 +73,7 @@ class EngineCore:
         apply_plan_(self.loaded.model, self.plan, keep_dense=self.config.compile)
         prefetch = stream_prefetch.tune(self.loaded.model, self.plan)
         if prefetch is not None:
-            log.info("AVX2 tiles: %s", prefetch.describe())
+            log.info("int8_act_gemm tiles (%s): %s", self.plan.isa, prefetch.describe())
 
     def _build_kv_cache(self) -> tuple[torch.dtype, int]:
         """The KV cache's element type and size in blocks, and the block manager."""

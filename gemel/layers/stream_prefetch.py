@@ -1,13 +1,15 @@
-"""Whether the AVX2 tiles ask for a decode step's weights ahead of use: decided by timing.
+"""Whether int8_act_gemm's tiles ask for a decode step's weights ahead of use: decided by timing.
 
 A decode step of one or two sequences reads every projection's weights from memory once, and
-the AVX2 tiles of ``int8_act_gemm`` ask for them a few KB ahead of use (``_mm_prefetch``). A Zen 4
-and a Zen 5 capped at AVX2 rewarded that; a real AVX2-only CPU, an AMD Zen 2, punishes it for
-8-bit codes (Gemma 3's 178 MB Q8_0 LM head at one row: 7.3 ms with the asking, 6.25 without)
-while its 4-bit layers still gain from it. How a CPU's own prefetchers handle these streams is
-not in its feature flags, so an engine on the AVX2 build times one-row passes over its model's
-own weights both ways at start-up and keeps the faster, for 8-bit and for 4-/5-bit codes apart.
-The outputs are the same either way, bit for bit; only the time changes.
+the AVX2 and AVX-512 (VNNI) tiles of ``int8_act_gemm`` ask for them ahead of use
+(``_mm_prefetch``: the AVX2 tiles a few KB on, the VNNI tiles the next tile's blocks). A Zen 4
+and a Zen 5 capped at AVX2 rewarded that, and so did the Zen 4's VNNI tiles; a real AVX2-only
+CPU, an AMD Zen 2, punishes it for 8-bit codes (Gemma 3's 178 MB Q8_0 LM head at one row: 7.3 ms
+with the asking, 6.25 without) while its 4-bit layers still gain from it. How a CPU's own
+prefetchers handle these streams is not in its feature flags, so an engine on the AVX2 or
+AVX-512 build times one-row passes over its model's own weights both ways at start-up and keeps
+the faster, for 8-bit and for 4-/5-bit codes apart. The outputs are the same either way, bit for
+bit; only the time changes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gemel.layers.kernel_plan import KernelPlan
+from gemel.layers.kernel_plan import KernelPlan, isa_rank
 
 # The C++ switch's kinds (int8_act_gemm.cpp, stream_prefetch_kinds) and their defaults (both on).
 BYTE_CODES, NIBBLE_CODES = 1, 2
@@ -45,7 +47,7 @@ class PrefetchChoice:
 
 
 def set_kinds(kinds: int) -> int:
-    """Sets the kinds of codes the AVX2 tiles ask for ahead; returns the previous ones."""
+    """Sets the kinds of codes the tiles ask for ahead; returns the previous ones."""
     return int(torch.ops.gemel.set_stream_prefetch(kinds))
 
 
@@ -59,14 +61,14 @@ def code_kind(codes: torch.Tensor) -> int:
 
 
 def applies(plan: KernelPlan) -> bool:
-    """Whether an engine on this plan times the asking ahead: the AVX2 build's int8_act_gemm tiles."""
-    return plan.kernels and plan.isa == "avx2" and plan.int8_activations
+    """Whether an engine on this plan times the asking ahead: int8_act_gemm's AVX2 or AVX-512 tiles."""
+    return plan.kernels and plan.int8_activations and isa_rank(plan.isa) >= isa_rank("avx2")
 
 
 def tune(model: nn.Module, plan: KernelPlan, min_bytes: int = MIN_STREAM_BYTES) -> PrefetchChoice | None:
     """Times the model's int8_act_gemm weights at one row with and without asking ahead, per kind
-    of codes, and sets the faster. None (nothing changed) off the AVX2 build, or where the
-    weights are too few to stream from memory."""
+    of codes, and sets the faster. None (nothing changed) off int8_act_gemm's AVX2 and AVX-512
+    builds, or where the weights are too few to stream from memory."""
     from gemel.layers.linear import Linear
 
     if not applies(plan):

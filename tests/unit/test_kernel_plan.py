@@ -267,6 +267,11 @@ def test_gemel_info_prints_the_cpu_the_level_and_the_plan(capsys, monkeypatch):
         text = capsys.readouterr().out
         assert "level:    avx2" in text and "int8_act_gemm" in text and "dtype float32" in text
         assert "prefetch: timed at engine start" in text  # the AVX2 tiles' asking ahead (stream_prefetch)
+    if kernel_plan.isa_rank(resolve_isa()) >= kernel_plan.isa_rank("avx512") and "avx512_vnni" in cpu.flags:
+        assert main(["info", "--cpu-isa", "avx512"]) == 0
+        text = capsys.readouterr().out
+        assert "level:    avx512" in text and "int8_act_gemm" in text
+        assert "prefetch: timed at engine start" in text  # the VNNI tiles ask ahead too
     assert main(["info", "--dtype", "float32"]) == 0
     assert "weight_quant none" in capsys.readouterr().out  # float32 by name: the exact dense sums
 

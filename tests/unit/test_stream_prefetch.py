@@ -43,17 +43,24 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _avx2_plan() -> kernel_plan.KernelPlan:
+def _plan(isa: str = "avx2") -> kernel_plan.KernelPlan:
     plan, _ = kernel_plan.plan_engine(device=torch.device("cpu"), dtype=torch.float32, dtype_requested="auto",
-                                      weight_quant="auto", cpu_isa="avx2")
+                                      weight_quant="auto", cpu_isa=isa)
     return plan
 
 
-@pytest.mark.skipif(kernel_plan.isa_rank(kernel_plan.resolve_isa()) < kernel_plan.isa_rank("avx2"),
-                    reason="needs a CPU with AVX2")
-def test_the_faster_way_is_set_for_each_kind_of_codes(kinds_restored):
-    plan = _avx2_plan()
-    assert plan.isa == "avx2" and plan.int8_activations
+def _avx2_plan() -> kernel_plan.KernelPlan:
+    return _plan("avx2")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_faster_way_is_set_for_each_kind_of_codes(kinds_restored, isa):
+    """On the AVX2 tiles and on the AVX-512 (VNNI) ones, where the CPU and the loaded build have them."""
+    if kernel_plan.isa_rank(kernel_plan.resolve_isa()) < kernel_plan.isa_rank(isa):
+        pytest.skip(f"needs a CPU (and kernels) with {isa}")
+    plan = _plan(isa)
+    assert stream_prefetch.applies(plan)
+    assert plan.isa == isa and plan.int8_activations
     choice = stream_prefetch.tune(_model(), plan, min_bytes=0)
     assert choice is not None and choice.kinds == stream_prefetch.current_kinds()
     assert set(choice.pass_ms) == {"8-bit codes", "4-/5-bit codes"}
@@ -63,12 +70,15 @@ def test_the_faster_way_is_set_for_each_kind_of_codes(kinds_restored):
     assert "8-bit codes" in text and "4-/5-bit codes" in text and "ms asking" in text
 
 
-def test_nothing_is_timed_off_the_avx2_plan_or_for_weights_the_caches_hold(kinds_restored):
+def test_nothing_is_timed_off_the_integer_tiles_or_for_weights_the_caches_hold(kinds_restored):
     stream_prefetch.set_kinds(2)
     model = _model()
-    portable, _ = kernel_plan.plan_engine(device=torch.device("cpu"), dtype=torch.float32, dtype_requested="auto",
-                                          weight_quant="auto", cpu_isa="portable")
+    portable = _plan("portable")
+    assert not stream_prefetch.applies(portable)
     assert stream_prefetch.tune(model, portable, min_bytes=0) is None
+    dense, _ = kernel_plan.plan_engine(device=torch.device("cpu"), dtype=torch.float32, dtype_requested="float32",
+                                       weight_quant="none", cpu_isa="portable")
+    assert not dense.int8_activations and not stream_prefetch.applies(dense)
     if kernel_plan.isa_rank(kernel_plan.resolve_isa()) >= kernel_plan.isa_rank("avx2"):
         assert stream_prefetch.tune(model, _avx2_plan()) is None  # a few KB: below MIN_STREAM_BYTES
     assert stream_prefetch.current_kinds() == 2

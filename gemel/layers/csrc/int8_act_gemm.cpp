@@ -53,12 +53,12 @@
 
 namespace {
 
-// Which codes the AVX2 tiles ask for ahead of use in calls of one or two rows (a decode step's,
-// which stream their weights from memory): kStreamBytes, 8-bit codes and Q6_K's 6-bit ones;
-// kStreamNibbles, 4- and 5-bit codes. Whether asking pays depends on the CPU's own prefetchers
-// (see kPrefetchAhead), so the engine times both ways on its model at start-up
-// (gemel/layers/stream_prefetch.py) and sets this once, before it serves. Only the AVX2 build
-// reads it; the results are the same either way, bit for bit.
+// Which codes the AVX2 and AVX-512 (VNNI) tiles ask for ahead of use in calls of one or two rows
+// (a decode step's, which stream their weights from memory): kStreamBytes, 8-bit codes and Q6_K's
+// 6-bit ones; kStreamNibbles, 4- and 5-bit codes. Whether asking pays depends on the CPU's own
+// prefetchers (see kPrefetchAhead), so the engine times both ways on its model at start-up
+// (gemel/layers/stream_prefetch.py) and sets this once, before it serves. The portable build
+// never asks; the results are the same either way, bit for bit.
 constexpr int64_t kStreamBytes = 1, kStreamNibbles = 2;
 std::atomic<int64_t> stream_prefetch_kinds{kStreamBytes | kStreamNibbles};
 
@@ -192,26 +192,38 @@ inline __m512 load16(const at::Half* p) {
 // the integer dot product itself, one floating-point op less per group than `low`'s FMA.
 // kSub16 (8-bit codes, kIntZero): a scale per 16 codes (GGUF Q6_K), d [blocks, groups, 2, 16]
 // and zero_sum per 16 codes: each half of a group is summed and scaled on its own.
+//
+// ask_ahead (a tile of 1-2 rows: a decode step's, which streams its weights from memory): each
+// group asks for the same group of the next tile's blocks into L2, so the next tile's codes
+// arrive while this one computes. Set by the engine from timings like the AVX2 tiles' (see
+// stream_prefetch_kinds); the results are the same either way, bit for bit.
 template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void tile(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum, const uint8_t* w,
-          const S* d, const S* low, T* y, int64_t in_features, int64_t out_features, int64_t block) {
+          const S* d, const S* low, T* y, int64_t in_features, int64_t out_features, int64_t block, bool ask_ahead) {
   static_assert(!kSub16 || (kIntZero && !kNibbles), "scales per 16 codes come with 8-bit codes and a zero point");
   constexpr int kHalves = kSub16 ? 2 : 1;
   constexpr int kSteps = (kNibbles ? kGroup / 8 : kGroup / 4) / kHalves;  // steps of 4 codes (a lane) per scale
+  constexpr int64_t kGroupBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;  // a block's codes a group
   const int64_t groups = in_features / kGroup;
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kBlocks; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    if (kRows <= 2 && ask_ahead) {
+      for (int c = 0; c < kBlocks; ++c) {
+        const uint8_t* next = w + ((block + kBlocks + c) * groups + g) * kGroupBytes;
+        for (int64_t line = 0; line < kGroupBytes / 64; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+      }
+    }
     for (int h = 0; h < kHalves; ++h) {
       __m512i dot[kRows][kBlocks];
       for (int r = 0; r < kRows; ++r)
         for (int c = 0; c < kBlocks; ++c) dot[r][c] = _mm512_setzero_si512();
-      constexpr int64_t kBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
       for (int j = h * kSteps; j < (h + 1) * kSteps; ++j) {
         __m512i wv[kBlocks], wh[kBlocks];
         for (int c = 0; c < kBlocks; ++c) {
-          const __m512i v = _mm512_loadu_si512(w + ((block + c) * groups + g) * kBytes + j * 64);
+          const __m512i v = _mm512_loadu_si512(w + ((block + c) * groups + g) * kGroupBytes + j * 64);
           if constexpr (kNibbles) {
             const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
             wv[c] = _mm512_and_si512(v, low_nibbles);
@@ -277,7 +289,7 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
 template <int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
-               int64_t out_features, int64_t block) {
+               int64_t out_features, int64_t block, bool ask_ahead) {
   const int64_t groups = in_features / kGroup;
   for (int64_t m = 0; m < rows; m += kTileRows) {
     const int8_t* c = codes + m * in_features;
@@ -285,7 +297,8 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
     const int32_t* z = kIntZero ? zero_sum + m * groups * (kSub16 ? 2 : 1) : nullptr;
     T* out = y + m * out_features;
 #define GEMEL_VNNI_TILE(R) \
-  tile<R, kBlocks, kNibbles, kIntZero, kSub16, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block)
+  tile<R, kBlocks, kNibbles, kIntZero, kSub16, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block, \
+                                                     ask_ahead)
     switch (std::min<int64_t>(kTileRows, rows - m)) {
       case 1: GEMEL_VNNI_TILE(1); break;
       case 2: GEMEL_VNNI_TILE(2); break;
@@ -667,13 +680,15 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
   // 6-bit codes (kSix) are bytes to the VNNI tiles like any others, their zero point 32 taken
   // off the integer sums; 5-bit codes are stored as bytes for these tiles (pack_group_codes).
   static_assert(!kFive, "the VNNI tiles take 4- and 8-bit codes");
+  const bool ask_ahead =  // read by the tiles of 1-2 rows
+      (stream_prefetch_kinds.load(std::memory_order_relaxed) & (kNibbles ? kStreamNibbles : kStreamBytes)) != 0;
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
     tile_rows<kTileBlocks, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
-                                                          in_features, out_features, b);
+                                                          in_features, out_features, b, ask_ahead);
   for (; b < b1; ++b)
     tile_rows<1, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
-                                                out_features, b);
+                                                out_features, b, ask_ahead);
 #elif defined(GEMEL_AVX2)
   gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, kSix, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
