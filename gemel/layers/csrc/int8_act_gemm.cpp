@@ -286,12 +286,26 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
   }
 }
 
+// All rows of x against blocks [block, block + kBlocks). next_blocks: how many blocks after
+// those this thread computes next (up to kBlocks). In a call of more than 2 rows only the first
+// tile of rows reads these blocks' codes from memory, in a burst the hardware prefetchers do not
+// get ahead of, so every tile asks for a slice of the next blocks' codes into L2 (as the AVX2
+// tiles do). Zen 4, 2 threads, 32 rows: Gemma 3's Q8_0 LM head (262,144 x 640) 252 GMAC/s
+// against 318 for a 4,096 x 640 slice of it held in cache, before this.
 template <int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
 void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
-               int64_t out_features, int64_t block, bool ask_ahead) {
+               int64_t out_features, int64_t block, bool ask_ahead, int64_t next_blocks) {
   const int64_t groups = in_features / kGroup;
+  constexpr int64_t kGroupBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
+  const char* next = reinterpret_cast<const char*>(w + (block + kBlocks) * groups * kGroupBytes);
+  const int64_t next_lines = rows > 2 ? next_blocks * groups * kGroupBytes / 64 : 0;
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t lines_per_tile = (next_lines + row_tiles - 1) / row_tiles;
+  int64_t line = 0;
   for (int64_t m = 0; m < rows; m += kTileRows) {
+    for (const int64_t end = std::min(next_lines, line + lines_per_tile); line < end; ++line)
+      _mm_prefetch(next + 64 * line, _MM_HINT_T1);
     const int8_t* c = codes + m * in_features;
     const float *u = unit + m * groups, *s = code_sum + m * groups;
     const int32_t* z = kIntZero ? zero_sum + m * groups * (kSub16 ? 2 : 1) : nullptr;
@@ -684,11 +698,12 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
       (stream_prefetch_kinds.load(std::memory_order_relaxed) & (kNibbles ? kStreamNibbles : kStreamBytes)) != 0;
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
-    tile_rows<kTileBlocks, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
-                                                          in_features, out_features, b, ask_ahead);
+    tile_rows<kTileBlocks, kNibbles, kIntZero, kSub16, S, T>(
+        codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features, b, ask_ahead,
+        std::min<int64_t>(kTileBlocks, b1 - b - kTileBlocks));
   for (; b < b1; ++b)
     tile_rows<1, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
-                                                out_features, b, ask_ahead);
+                                                out_features, b, ask_ahead, b + 1 < b1 ? 1 : 0);
 #elif defined(GEMEL_AVX2)
   gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, kSix, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
