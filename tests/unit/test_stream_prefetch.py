@@ -49,10 +49,6 @@ def _plan(isa: str = "avx2") -> kernel_plan.KernelPlan:
     return plan
 
 
-def _avx2_plan() -> kernel_plan.KernelPlan:
-    return _plan("avx2")
-
-
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_the_faster_way_is_set_for_each_kind_of_codes(kinds_restored, isa):
     """On the AVX2 tiles and on the AVX-512 (VNNI) ones, where the CPU and the loaded build have them."""
@@ -80,7 +76,7 @@ def test_nothing_is_timed_off_the_integer_tiles_or_for_weights_the_caches_hold(k
                                        weight_quant="none", cpu_isa="portable")
     assert not dense.int8_activations and not stream_prefetch.applies(dense)
     if kernel_plan.isa_rank(kernel_plan.resolve_isa()) >= kernel_plan.isa_rank("avx2"):
-        assert stream_prefetch.tune(model, _avx2_plan()) is None  # a few KB: below MIN_STREAM_BYTES
+        assert stream_prefetch.tune(model, _plan("avx2")) is None  # a few KB: below MIN_STREAM_BYTES
     assert stream_prefetch.current_kinds() == 2
 
 

@@ -181,6 +181,10 @@ inline void store_row(T* y, const float* values, int64_t count) {
 }
 
 #if defined(GEMEL_VNNI)
+// A block's codes for one group: 4-bit codes two to a byte, any others as bytes.
+template <bool kNibbles>
+constexpr int64_t kGroupCodeBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
+
 // 16 scales or offsets, stored as float32 or float16.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
@@ -203,7 +207,7 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
   static_assert(!kSub16 || (kIntZero && !kNibbles), "scales per 16 codes come with 8-bit codes and a zero point");
   constexpr int kHalves = kSub16 ? 2 : 1;
   constexpr int kSteps = (kNibbles ? kGroup / 8 : kGroup / 4) / kHalves;  // steps of 4 codes (a lane) per scale
-  constexpr int64_t kGroupBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;  // a block's codes a group
+  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles>;
   const int64_t groups = in_features / kGroup;
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
@@ -297,7 +301,7 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
                const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                int64_t out_features, int64_t block, bool ask_ahead, int64_t next_blocks) {
   const int64_t groups = in_features / kGroup;
-  constexpr int64_t kGroupBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
+  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles>;
   const char* next = reinterpret_cast<const char*>(w + (block + kBlocks) * groups * kGroupBytes);
   const int64_t next_lines = rows > 2 ? next_blocks * groups * kGroupBytes / 64 : 0;
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
