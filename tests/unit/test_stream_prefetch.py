@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -84,3 +86,31 @@ def test_code_kinds():
     assert stream_prefetch.code_kind(torch.empty(2, 3, 512, dtype=torch.uint8)) == stream_prefetch.BYTE_CODES
     for width in (256, 320):
         assert stream_prefetch.code_kind(torch.empty(2, 3, width, dtype=torch.uint8)) == stream_prefetch.NIBBLE_CODES
+
+
+def test_each_kind_is_timed_over_its_own_weights_in_a_whole_pass(kinds_restored, monkeypatch):
+    """A kind's time counts only the calls on its codes, yet every projection runs in each pass
+    (as a decode step reads them): a slow 8-bit layer does not enter the 4-bit kind's time."""
+    if kernel_plan.isa_rank(kernel_plan.resolve_isa()) < kernel_plan.isa_rank("avx2"):
+        pytest.skip("needs a CPU (and kernels) with avx2")
+    model = _model()
+    head = model[2]
+    calls = {"head": 0, "others": 0}
+    real_forward = Linear.forward
+
+    def forward(self, x):
+        if self is head:
+            calls["head"] += 1
+            time.sleep(0.02)
+        else:
+            calls["others"] += 1
+        return real_forward(self, x)
+
+    monkeypatch.setattr(Linear, "forward", forward)
+    choice = stream_prefetch.tune(model, _plan("avx2"), min_bytes=0)
+    assert choice is not None
+    passes = 1 + 2 * 2 * stream_prefetch.ROUNDS  # a warm-up, then each kind both ways
+    assert calls == {"head": passes, "others": 2 * passes}
+    eight_bit, nibbles = choice.pass_ms["8-bit codes"], choice.pass_ms["4-/5-bit codes"]
+    assert min(eight_bit) >= 20.0
+    assert max(nibbles) < 20.0
