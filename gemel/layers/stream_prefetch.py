@@ -76,6 +76,7 @@ def tune(model: nn.Module, plan: KernelPlan, min_bytes: int = MIN_STREAM_BYTES) 
     if sum(m.int8_act_codes.numel() for m in linears) < min_bytes:
         return None
     inputs = [torch.randn(1, m.int8_act_codes.shape[1] * 32, dtype=plan.dtype) for m in linears]
+    code_kinds = [code_kind(m.int8_act_codes) for m in linears]
 
     def one_pass(kind: int | None = None) -> float:
         """One row through every projection, as a decode step reads them (so each kind's weights
@@ -83,8 +84,8 @@ def tune(model: nn.Module, plan: KernelPlan, min_bytes: int = MIN_STREAM_BYTES) 
         codes are of ``kind``, so that a small kind's difference is not lost in the noise of a
         larger one's (Gemma 3's 4-/5-bit layers beside its 8-bit LM head)."""
         total = 0.0
-        for linear, x in zip(linears, inputs):
-            timed_call = kind is None or code_kind(linear.int8_act_codes) == kind
+        for linear, x, linear_kind in zip(linears, inputs, code_kinds):
+            timed_call = kind is None or linear_kind == kind
             start = time.perf_counter()
             linear(x)
             if timed_call:
@@ -95,7 +96,7 @@ def tune(model: nn.Module, plan: KernelPlan, min_bytes: int = MIN_STREAM_BYTES) 
     with torch.inference_mode():
         one_pass()  # warm-up: first-touch of the inputs, the thread pool awake
         for kind, name in KIND_NAMES.items():
-            if not any(code_kind(m.int8_act_codes) == kind for m in linears):
+            if kind not in code_kinds:
                 continue
             asking, not_asking = [], []
             for _ in range(ROUNDS):
