@@ -1,10 +1,11 @@
-"""Rate of ``int8_act_gemm`` on random Q8_0- or Q4_1-like groups at given shapes, as a decode
+"""Rate of ``int8_act_gemm`` on random Q8_0-, Q4_1- or Q5_0-like groups at given shapes, as a decode
 step calls it: ``--copies`` distinct weights of each shape called in turn, so that their codes
 come from memory rather than from cache (thirty of SmolLM2's 3,072 x 576 gate_up are 27 MB).
 
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 262144x640:int8 49152x576:int8 --rows 32
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 3072x576:int4 576x1536:int4 --rows 32 --copies 30
     GEMEL_CPU_ISA=avx2 python bench/int8_act_rates.py 3072x576:int4 --avx-vnni   # the AVX-VNNI build
+    python bench/int8_act_rates.py 4096x640:five 1536x640:five --rows 1 32 --copies 18   # Gemma 3's Q5_0
     python bench/int8_act_rates.py 262144x640:int8 49152x576:int8 --rows 1 32 --argmax   # greedy heads
 
 Prints, per shape and row count, the median time of a call and its multiply-adds per second;
@@ -31,6 +32,9 @@ def groups_for(kind: str, out_f: int, in_f: int) -> Int4Groups | Int8Groups:
         scale = (torch.rand(out_f, in_f // 32, generator=g) * 0.1 + 0.01).half().float()
         low = (torch.randn(out_f, in_f // 32, generator=g) * 0.1).half().float()
         return Int4Groups(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g), scale, low + 8 * scale)
+    if kind == "five":  # Q5_0-like: w = scale * q, q in -16..15
+        scale = (torch.rand(out_f, in_f // 32, generator=g) * 0.01).half().float()
+        return Int8Groups(torch.randint(-16, 16, (out_f, in_f), dtype=torch.int8, generator=g), scale)
     scale = (torch.rand(out_f, in_f // 32, generator=g) * 0.01).half().float()  # Q8_0-like: w = scale * q
     return Int8Groups(torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, generator=g), scale)
 
@@ -47,7 +51,7 @@ def packed_linear(groups: Int4Groups | Int8Groups) -> Linear:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("shapes", nargs="+", help="OUTxIN:int8 or OUTxIN:int4")
+    p.add_argument("shapes", nargs="+", help="OUTxIN:int8, OUTxIN:int4 or OUTxIN:five (Q5_0-like)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     p.add_argument("--copies", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)

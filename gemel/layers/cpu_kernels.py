@@ -76,8 +76,8 @@ def built_features() -> list[str]:
 
 def serves_five_bit_codes() -> bool:
     """Whether the loaded int8_act_gemm takes 5-bit codes (GGUF Q5_0) as nibbles plus a plane
-    of fifth bits: the AVX2 and portable builds do; the AVX512-VNNI tiles take them as bytes."""
-    return load() and "avx512vnni" not in built_features()
+    of fifth bits: every build does, whenever the kernels load."""
+    return load()
 
 
 def amx_tiles_available() -> bool:

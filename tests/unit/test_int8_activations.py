@@ -92,26 +92,26 @@ def test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them(rows, 
 @pytest.mark.parametrize("out_f", [16, 40, 300])
 @pytest.mark.parametrize("half", [False, True])
 def test_five_bit_codes_are_packed_as_nibbles_and_fifth_bits(rows, out_f, half):
-    """Q5_0's codes (q in -16..15, w = scale * q): the AVX2 and portable builds store them as
-    nibbles plus a plane of fifth bits (320 bytes per block and group, zero point 16) and give
-    the written-out arithmetic, also where the largest codes meet the largest x (their int16
-    sums are widened every two steps); the AVX512-VNNI tiles take them as 8-bit codes."""
-    assert cpu_kernels.load()
+    """Q5_0's codes (q in -16..15, w = scale * q): every build stores them as nibbles plus a
+    plane of fifth bits (320 bytes per block and group, zero point 16) and gives the
+    written-out arithmetic, also where the largest codes meet the largest x (the AVX2 tiles'
+    int16 sums are widened every two steps). A call of one row (the fifth bits ORed on in the
+    tile) gives each row of a larger call (its codes unpacked to bytes first) bit for bit."""
+    assert cpu_kernels.load() and cpu_kernels.serves_five_bit_codes()
     in_f = 128
     groups = _five_bit_groups(out_f, in_f, seed=rows * 31 + out_f, half=half)
     groups.q[0], groups.q[-1, :64] = 15, -16  # a row of the largest codes, and the smallest
     lin = _linear(groups)
     assert lin.add_int8_activation_gemm_() and lin.int8_act_out_features == out_f
-    if cpu_kernels.serves_five_bit_codes():
-        assert lin.act_codes.shape[-1] == 320 and lin.int8_act_zero_point == 16
-    else:
-        assert lin.act_codes.shape[-1] == 512 and lin.int8_act_zero_point == 128
+    assert lin.act_codes.shape[-1] == 320 and lin.int8_act_zero_point == 16
     assert lin.act_scale.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
     x[0, :64] = 3.0  # every code 127 in two groups: against the row of 15s, the largest sums
     y = lin(x)
     assert y.dtype == torch.float32 and y.shape == (rows, out_f)
     torch.testing.assert_close(y, _int8_activation_product(x, groups.dequantize()), atol=1e-4, rtol=1e-4)
+    for r in range(rows):
+        assert torch.equal(lin(x[r:r + 1]), y[r:r + 1])
     y16 = lin(x.bfloat16())
     expected16 = _int8_activation_product(x.bfloat16(), groups.dequantize())
     torch.testing.assert_close(y16.float(), expected16, atol=expected16.abs().max().item() / 128, rtol=2**-8)

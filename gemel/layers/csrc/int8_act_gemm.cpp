@@ -19,9 +19,9 @@
 // streams every weight from memory, so half the bytes matter more than the two extra
 // instructions per vector that unpack them.
 //
-// 5-bit codes (GGUF Q5_0, AVX2 and portable builds) are stored as those nibbles plus a plane
-// of their fifth bits: 64 more bytes per block and group, where bit p of byte i is the fifth
-// bit of vector p's byte i (320 bytes against the 512 of 8-bit codes).
+// 5-bit codes (GGUF Q5_0) are stored as those nibbles plus a plane of their fifth bits: 64 more
+// bytes per block and group, where bit p of byte i is the fifth bit of vector p's byte i (320
+// bytes against the 512 of 8-bit codes).
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -181,9 +181,10 @@ inline void store_row(T* y, const float* values, int64_t count) {
 }
 
 #if defined(GEMEL_VNNI)
-// A block's codes for one group: 4-bit codes two to a byte, any others as bytes.
-template <bool kNibbles>
-constexpr int64_t kGroupCodeBytes = kNibbles ? kNibbleBlockBytes : kBlockBytes;
+// A block's codes for one group: 4-bit codes two to a byte (5-bit ones with their plane of fifth
+// bits after), any others as bytes.
+template <bool kNibbles, bool kFive = false>
+constexpr int64_t kGroupCodeBytes = kFive ? kFiveBlockBytes : kNibbles ? kNibbleBlockBytes : kBlockBytes;
 
 // 16 scales or offsets, stored as float32 or float16.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -201,13 +202,19 @@ inline __m512 load16(const at::Half* p) {
 // group asks for the same group of the next tile's blocks into L2, so the next tile's codes
 // arrive while this one computes. Set by the engine from timings like the AVX2 tiles' (see
 // stream_prefetch_kinds); the results are the same either way, bit for bit.
-template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
-void tile(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum, const uint8_t* w,
+// wb: the codes of output block `block` on (the packed weight's, or 5-bit codes unpacked to
+// bytes by unpack_five_blocks). kFive (with kNibbles and kIntZero, tiles of 1-2 rows): 5-bit
+// codes, each vector's fifth bits ORed onto its nibbles as the AVX2 tiles do; two ternary-logic
+// ops and two shifts a block and step more than 4-bit codes, where a call of one row waits on
+// memory anyway, and 62.5% of 8-bit codes' bytes.
+template <int kRows, int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
+void tile(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum, const uint8_t* wb,
           const S* d, const S* low, T* y, int64_t in_features, int64_t out_features, int64_t block, bool ask_ahead) {
   static_assert(!kSub16 || (kIntZero && !kNibbles), "scales per 16 codes come with 8-bit codes and a zero point");
+  static_assert(!kFive || (kNibbles && kIntZero && kRows <= 2), "5-bit codes: nibbles, a zero point, 1-2 rows");
   constexpr int kHalves = kSub16 ? 2 : 1;
   constexpr int kSteps = (kNibbles ? kGroup / 8 : kGroup / 4) / kHalves;  // steps of 4 codes (a lane) per scale
-  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles>;
+  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles, kFive>;
   const int64_t groups = in_features / kGroup;
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
@@ -215,9 +222,19 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
   for (int64_t g = 0; g < groups; ++g) {
     if (kRows <= 2 && ask_ahead) {
       for (int c = 0; c < kBlocks; ++c) {
-        const uint8_t* next = w + ((block + kBlocks + c) * groups + g) * kGroupBytes;
+        const uint8_t* next = wb + ((kBlocks + c) * groups + g) * kGroupBytes;
         for (int64_t line = 0; line < kGroupBytes / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+      }
+    }
+    // 5-bit codes: vector j's fifth bit is bit j of its plane byte, vector j + 4's bit j + 4; each
+    // step shifts both planes right by one (in 16-bit lanes: bit 4 of either byte comes from
+    // the same byte).
+    [[maybe_unused]] __m512i fifth_lo[kFive ? kBlocks : 1], fifth_hi[kFive ? kBlocks : 1];
+    if constexpr (kFive) {
+      for (int c = 0; c < kBlocks; ++c) {
+        fifth_hi[c] = _mm512_loadu_si512(wb + (c * groups + g) * kGroupBytes + kNibbleBlockBytes);
+        fifth_lo[c] = _mm512_slli_epi16(fifth_hi[c], 4);
       }
     }
     for (int h = 0; h < kHalves; ++h) {
@@ -227,13 +244,20 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
       for (int j = h * kSteps; j < (h + 1) * kSteps; ++j) {
         __m512i wv[kBlocks], wh[kBlocks];
         for (int c = 0; c < kBlocks; ++c) {
-          const __m512i v = _mm512_loadu_si512(w + ((block + c) * groups + g) * kGroupBytes + j * 64);
+          const __m512i v = _mm512_loadu_si512(wb + (c * groups + g) * kGroupBytes + j * 64);
           if constexpr (kNibbles) {
             const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
             wv[c] = _mm512_and_si512(v, low_nibbles);
             wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
           } else {
             wv[c] = v;
+          }
+          if constexpr (kFive) {  // a | (b & c): the nibbles with each byte's bit 4 from the plane
+            const __m512i bit4 = _mm512_set1_epi8(0x10);
+            wv[c] = _mm512_ternarylogic_epi32(wv[c], fifth_lo[c], bit4, 0xF8);
+            wh[c] = _mm512_ternarylogic_epi32(wh[c], fifth_hi[c], bit4, 0xF8);
+            fifth_lo[c] = _mm512_srli_epi16(fifth_lo[c], 1);
+            fifth_hi[c] = _mm512_srli_epi16(fifth_hi[c], 1);
           }
         }
         for (int r = 0; r < kRows; ++r) {
@@ -290,18 +314,65 @@ void tile(const int8_t* codes, const float* unit, const float* code_sum, const i
   }
 }
 
+// Output blocks [block, block + count) of 5-bit codes as bytes, [count][groups][512] (the 8-bit
+// codes' layout, the zero point staying 16). Calls of more than 2 rows unpack their blocks'
+// codes once here, and every tile of rows reads those bytes: unpacked in each tile, the fifth
+// bits' registers would leave too few for a 4-row tile's accumulators.
+void unpack_five_blocks(const uint8_t* w, int64_t groups, int64_t block, int64_t count, uint8_t* out) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  for (int64_t c = 0; c < count; ++c) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* wg = w + ((block + c) * groups + g) * kFiveBlockBytes;
+      uint8_t* og = out + (c * groups + g) * kBlockBytes;
+      __m512i fifth_hi = _mm512_loadu_si512(wg + kNibbleBlockBytes);
+      __m512i fifth_lo = _mm512_slli_epi16(fifth_hi, 4);
+      for (int j = 0; j < kGroup / 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(wg + j * 64);
+        _mm512_storeu_si512(og + j * 64, _mm512_ternarylogic_epi32(_mm512_and_si512(v, low_nibbles), fifth_lo, bit4, 0xF8));
+        _mm512_storeu_si512(og + (j + 4) * 64, _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles),
+                                                                         fifth_hi, bit4, 0xF8));
+        fifth_lo = _mm512_srli_epi16(fifth_lo, 1);
+        fifth_hi = _mm512_srli_epi16(fifth_hi, 1);
+      }
+    }
+  }
+}
+
 // All rows of x against blocks [block, block + kBlocks). next_blocks: how many blocks after
 // those this thread computes next (up to kBlocks). In a call of more than 2 rows only the first
 // tile of rows reads these blocks' codes from memory, in a burst the hardware prefetchers do not
 // get ahead of, so every tile asks for a slice of the next blocks' codes into L2 (as the AVX2
 // tiles do). Zen 4, 2 threads, 32 rows: Gemma 3's Q8_0 LM head (262,144 x 640) 252 GMAC/s
 // against 318 for a 4,096 x 640 slice of it held in cache, before this.
-template <int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, typename S, typename T>
+// kFive: 5-bit codes, taken by the tiles as they are in calls of 1-2 rows, else unpacked to
+// bytes first (unpack_five_blocks).
+template <int kBlocks, bool kNibbles, bool kIntZero, bool kSub16, bool kFive, typename S, typename T>
 void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, const int32_t* zero_sum,
                const uint8_t* w, const S* d, const S* low, T* y, int64_t rows, int64_t in_features,
                int64_t out_features, int64_t block, bool ask_ahead, int64_t next_blocks) {
   const int64_t groups = in_features / kGroup;
-  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles>;
+  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles, kFive>;
+  const uint8_t* wb = w + block * groups * kGroupBytes;
+  if constexpr (kFive) {
+    if (rows <= 2) {
+      if (rows == 1) {
+        tile<1, kBlocks, true, true, false, true, S, T>(codes, unit, code_sum, zero_sum, wb, d, low, y, in_features,
+                                                        out_features, block, ask_ahead);
+      } else {
+        tile<2, kBlocks, true, true, false, true, S, T>(codes, unit, code_sum, zero_sum, wb, d, low, y, in_features,
+                                                        out_features, block, ask_ahead);
+      }
+      return;
+    }
+  }
+  [[maybe_unused]] constexpr bool kBytes = !kNibbles || kFive;  // what the tiles below read
+  if constexpr (kFive) {
+    thread_local std::vector<uint8_t> five_bytes;
+    five_bytes.resize(kBlocks * groups * kBlockBytes);
+    unpack_five_blocks(w, groups, block, kBlocks, five_bytes.data());
+    wb = five_bytes.data();
+    ask_ahead = false;  // the bytes are in cache; the packed codes are asked for below
+  }
   const char* next = reinterpret_cast<const char*>(w + (block + kBlocks) * groups * kGroupBytes);
   const int64_t next_lines = rows > 2 ? next_blocks * groups * kGroupBytes / 64 : 0;
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
@@ -315,8 +386,8 @@ void tile_rows(const int8_t* codes, const float* unit, const float* code_sum, co
     const int32_t* z = kIntZero ? zero_sum + m * groups * (kSub16 ? 2 : 1) : nullptr;
     T* out = y + m * out_features;
 #define GEMEL_VNNI_TILE(R) \
-  tile<R, kBlocks, kNibbles, kIntZero, kSub16, S, T>(c, u, s, z, w, d, low, out, in_features, out_features, block, \
-                                                     ask_ahead)
+  tile<R, kBlocks, !kBytes, kIntZero, kSub16, false, S, T>(c, u, s, z, wb, d, low, out, in_features, out_features, \
+                                                           block, ask_ahead)
     switch (std::min<int64_t>(kTileRows, rows - m)) {
       case 1: GEMEL_VNNI_TILE(1); break;
       case 2: GEMEL_VNNI_TILE(2); break;
@@ -686,7 +757,7 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
 
 // Blocks [b0, b1) of the output for all rows. kSub16: each group of 32 has two scales, one per
 // 16 codes (GGUF Q6_K), d is [blocks, groups, 2, 16], and the integer zero point is 128.
-// kFive (with kNibbles): 5-bit codes, nibbles and a plane of fifth bits (AVX2 and portable).
+// kFive (with kNibbles): 5-bit codes, nibbles and a plane of fifth bits.
 // With kSub16, zero_sum is per 16 codes ([rows, groups, 2]); kSix: those are 6-bit codes (AVX2
 // tiles without the sign trick; the portable loops take any codes).
 template <bool kNibbles, bool kIntZero, bool kSub16, typename S, bool kFive = false, bool kSix = false, typename T>
@@ -696,18 +767,17 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
   [[maybe_unused]] const int64_t groups = in_features / kGroup;  // the portable loops' own
 #if defined(GEMEL_VNNI)
   // 6-bit codes (kSix) are bytes to the VNNI tiles like any others, their zero point 32 taken
-  // off the integer sums; 5-bit codes are stored as bytes for these tiles (pack_group_codes).
-  static_assert(!kFive, "the VNNI tiles take 4- and 8-bit codes");
+  // off the integer sums.
   const bool ask_ahead =  // read by the tiles of 1-2 rows
       (stream_prefetch_kinds.load(std::memory_order_relaxed) & (kNibbles ? kStreamNibbles : kStreamBytes)) != 0;
   int64_t b = b0;
   for (; b + kTileBlocks <= b1; b += kTileBlocks)
-    tile_rows<kTileBlocks, kNibbles, kIntZero, kSub16, S, T>(
+    tile_rows<kTileBlocks, kNibbles, kIntZero, kSub16, kFive, S, T>(
         codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features, out_features, b, ask_ahead,
         std::min<int64_t>(kTileBlocks, b1 - b - kTileBlocks));
   for (; b < b1; ++b)
-    tile_rows<1, kNibbles, kIntZero, kSub16, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows, in_features,
-                                                out_features, b, ask_ahead, b + 1 < b1 ? 1 : 0);
+    tile_rows<1, kNibbles, kIntZero, kSub16, kFive, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
+                                                       in_features, out_features, b, ask_ahead, b + 1 < b1 ? 1 : 0);
 #elif defined(GEMEL_AVX2)
   gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, kSix, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
@@ -794,7 +864,7 @@ struct PreparedCall {
 };
 
 // x: [M, K]; codes: [ceil(N/16), K/32, 512] uint8 (4-bit codes: 256, two a byte; 5-bit codes,
-// with an integer zero point, AVX2 and portable builds: 320, the nibbles and their fifth bits); d, low:
+// with an integer zero point: 320, the nibbles and their fifth bits); d, low:
 // [ceil(N/16), K/32, 16] float32 or both float16 (half the bytes to stream; GGUF stores its
 // scales as float16). d may be [.., 32], a scale per 16 codes (GGUF Q6_K), with
 // 8-bit codes and zero_point 128, or 6-bit codes (0-63: GGUF Q6_K) and zero_point 32. zero_point z > 0: w = d * (u - z) and low is empty. 8-bit codes must not
@@ -825,9 +895,6 @@ PreparedCall prepare_call(const at::Tensor& x, const at::Tensor& codes, const at
               "scales per 16 codes need 8-bit codes and zero_point 128, or 6-bit codes (0-63) and zero_point 32");
   p.six = p.sub16 && zero_point == 32;
   TORCH_CHECK(!p.five || p.int_zero, "5-bit codes need an integer zero point");
-#if defined(GEMEL_VNNI)
-  TORCH_CHECK(!p.five, "5-bit codes are served by the AVX2 and portable builds only");
-#endif
   const auto check_per_block = [&](const at::Tensor& t) {
     TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.scalar_type() == d.scalar_type() &&
                     t.dim() == 3 && t.size(0) == blocks && t.size(1) == groups && t.size(2) == p.scales_per_group &&
@@ -904,14 +971,12 @@ void run_blocks(const PreparedCall& p, const uint8_t* w, const void* d, const vo
         return;
       }
     }
-#if !defined(GEMEL_VNNI)
     if constexpr (kNib && kZero) {
       if (p.five) {
         gemm_blocks<true, true, false, S, true>(qp, up, sp, zp, w, dp, lp, y, rows, in_features, out_features, b0, b1);
         return;
       }
     }
-#endif
     gemm_blocks<kNib, kZero, false, S>(qp, up, sp, zp, w, dp, lp, y, rows, in_features, out_features, b0, b1);
   };
   const auto with_scales = [&](auto nibbles_tag, auto int_zero_tag) {
