@@ -209,6 +209,11 @@ class EngineCore:
             return
         running, queued = self.scheduler.running, self.scheduler.waiting
         prefilling = [s for s in running if s.num_uncomputed_tokens > 1]
+        if not prefilling and not queued and not any(s.spec_token_ids for s in running):
+            # One token a sequence, which any budget holds (it never falls below the decodes
+            # and a chunk): the fit over recent steps (~50 us of Python) would bound nothing.
+            self.scheduler.set_token_budget(max_tokens)
+            return
         decoding = len(running) - len(prefilling)
         # The prompt a chunk would continue (running ones come first); a new prompt starts at 0.
         context = max((s.num_computed_tokens for s in prefilling), default=0)

@@ -251,7 +251,8 @@ def test_sequences_behind_a_shared_prefix_decode_with_cascade_attention(llm):
 
 def test_step_target_chunks_a_long_prompt_and_records_its_keys(tiny_llama_dir, llm):
     """With decodes running, a long prompt is prefilled in chunks sized by the step-time model,
-    and each step tells the model how many keys its prompt chunks attended to."""
+    and each step tells the model how many keys its prompt chunks attended to. Steps of
+    decodes alone, with nothing waiting, take the whole token budget without a fit."""
     from gemel.engine.step_budget import prefill_keys
 
     timed = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, itl_target_ms=50.0)
@@ -262,13 +263,18 @@ def test_step_target_chunks_a_long_prompt_and_records_its_keys(tiny_llama_dir, l
     while not any(s.num_output_tokens for s in core.scheduler.running):
         timed.engine.step()
     timed.engine.add_request("long", prompt_token_ids=long_prompt, params=GREEDY)
-    chunks, outputs = [], {}
+    chunks, outputs, budgets = [], {}, []
+    fits = []
+    fit = core.step_time_model.fit
+    core.step_time_model.fit = lambda: fits.append(1) or fit()
     while timed.engine.has_unfinished_requests():
         seq = next((s for s in core.scheduler.running + core.scheduler.waiting if s.seq_id.endswith("long")), None)
         before = seq.num_computed_tokens if seq is not None else None
+        fits.clear()
         for out in timed.engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
+        budgets.append((seq is not None and before < len(long_prompt), core.scheduler.token_budget, bool(fits)))
         if seq is not None and before < len(long_prompt):
             chunk = min(seq.num_computed_tokens, len(long_prompt)) - before
             chunks.append(chunk)
@@ -277,5 +283,8 @@ def test_step_target_chunks_a_long_prompt_and_records_its_keys(tiny_llama_dir, l
     assert len(chunks) > 1 and sum(chunks) == len(long_prompt)  # chunked, not taken in one step
     # The first chunk had no fit to go on: the floor.
     assert chunks[0] == core.step_time_model.min_prefill_chunk
+    whole = core.config.max_num_batched_tokens
+    assert all(budget < whole and fitted for chunking, budget, fitted in budgets if chunking)
+    assert budgets[-1] == (False, whole, False)  # the last decodes: nothing waits, nothing fitted
     reference = _tokens(llm.generate(prompt_token_ids=[long_prompt], sampling_params=GREEDY))[0]
     assert outputs["long"] == reference
