@@ -10,6 +10,11 @@ gives the fastest run and the median.
     python bench/decode_steps.py                       # SmolLM2, batch 32, 192-token prompts
     python bench/decode_steps.py --batch 1 --input-len 128
     python bench/decode_steps.py --model ~/.cache/gemel/models/gemma-3-270m-q4_k_m.gguf
+    python bench/decode_steps.py --batch 1 --input-len 128 --parts   # layers, LM head, the rest
+
+With ``--parts`` each run's step is also split into the layers' one C++ call (where the step
+takes it), the LM head's greedy argmax and the rest (input preparation, the embedding, the
+scheduler and outputs in Python), timed around those two calls.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=25, help="decode steps per timed run")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    ap.add_argument("--parts", action="store_true", help="also split each step into layers, LM head and the rest")
     args = ap.parse_args()
 
     import torch
@@ -48,19 +54,24 @@ def main() -> int:
     for i, prompt in enumerate(random_prompts(args.batch, args.input_len, vocab, seed=0)):
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
     core = engine.core
+    spent = {"layers": 0.0, "head": 0.0}
+    if args.parts:
+        time_calls(spent)
     core.step()
     while core.last_step_tokens != args.batch:  # the prompts' steps
         core.step()
     for _ in range(args.warmup):
         core.step()
-    times = []
+    times, parts = [], []
     for _ in range(args.reps):
+        spent.update(layers=0.0, head=0.0)
         start = time.perf_counter()
         for _ in range(args.steps):
             core.step()
             if core.last_step_tokens != args.batch:
                 raise SystemExit(f"a timed step ran {core.last_step_tokens} tokens, not {args.batch} decodes")
         times.append((time.perf_counter() - start) * 1000 / args.steps)
+        parts.append((spent["layers"] * 1000 / args.steps, spent["head"] * 1000 / args.steps))
 
     print(cpu_info().describe())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
@@ -70,7 +81,34 @@ def main() -> int:
     print("|---|---|---|---|")
     runs = " ".join(f"{t:.1f}" for t in times)
     print(f"| batch {args.batch} | {min(times):.1f} | {statistics.median(times):.1f} | {runs} |")
+    if args.parts:
+        print()
+        print("| each run, ms a step | step | layers (one C++ call) | LM head (greedy) | the rest |")
+        print("|---|---|---|---|---|")
+        for t, (layers, head) in zip(times, parts):
+            print(f"| | {t:.2f} | {layers:.2f} | {head:.2f} | {t - layers - head:.2f} |")
     return 0
+
+
+def time_calls(spent: dict[str, float]) -> None:
+    """Adds the time of each call of the layers' C++ step and of the greedy LM head to ``spent``."""
+    from gemel.layers.decode_layers import DecodeLayers
+    from gemel.layers.linear import Linear
+
+    def timed(cls, name: str, key: str) -> None:
+        inner = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+
+        setattr(cls, name, wrapper)
+
+    timed(DecodeLayers, "__call__", "layers")
+    timed(Linear, "argmax", "head")
 
 
 if __name__ == "__main__":
