@@ -47,15 +47,18 @@ if ! compgen -G "/usr/lib/*/libjemalloc.so.2" >/dev/null && [ ! -e /usr/lib64/li
     echo "note: libjemalloc2 missing (install it as root with apt) so the engine uses glibc's malloc" >&2
   fi
 fi
-# A cross compiler for 64-bit ARM, so the tests check that the kernels' portable level builds
-# there (tests/unit/test_kernel_plan.py; compiled and linked, not run). Best effort: without it
-# that test skips.
-if [ "$(uname -m)" = x86_64 ] && ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1; then
+# A cross compiler for 64-bit ARM and QEMU's user-mode emulator, so the tests check that the
+# kernels' portable level builds there (tests/unit/test_kernel_plan.py; compiled and linked) and
+# run int8_act_gemm's ARM dot-product tiles (tests/unit/test_neon_tiles.py). Best effort:
+# without them those tests skip.
+if [ "$(uname -m)" = x86_64 ] && { ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 \
+    || ! command -v qemu-aarch64 >/dev/null 2>&1; }; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; } \
-      || echo "warning: could not install g++-aarch64-linux-gnu; the ARM build test will skip" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user \
+        >/dev/null; } \
+      || echo "warning: could not install g++-aarch64-linux-gnu and qemu-user; the ARM tests will skip" >&2
   else
-    echo "note: g++-aarch64-linux-gnu missing (install it as root with apt) so the ARM build test will skip" >&2
+    echo "note: g++-aarch64-linux-gnu or qemu-user missing (install them as root with apt) so the ARM tests will skip" >&2
   fi
 fi
 # grpcurl for the gRPC reflection test (tests/integration/test_grpc.py skips without it):

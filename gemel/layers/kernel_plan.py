@@ -7,7 +7,8 @@ by ``gemel info``.
 
 Instruction-set levels, lowest first (each CPU runs its own level and every one below it):
 
-- ``portable``: plain C++ (any x86-64 or ARM CPU);
+- ``portable``: plain C++ (any x86-64 or ARM CPU; on 64-bit ARM CPUs with the dot-product
+  extension, int8_act_gemm's tiles use it, and the plan then takes the integer kernels);
 - ``avx2``: x86-64-v3 (AVX2, FMA, F16C), e.g. AMD Zen 1-3 and Intel Haswell to Comet Lake;
 - ``avx512``: AVX-512 (with VNNI and BF16 where the CPU has them), e.g. Ice Lake, Zen 4/5;
 - ``amx``: AVX-512 with AMX tiles (Sapphire Rapids and later Xeons).
@@ -154,7 +155,10 @@ def compile_flags(isa: str, cpu: CpuInfo | None = None) -> list[str]:
     cpu = cpu or cpu_info()
     x86 = cpu.machine in ("x86_64", "AMD64")
     if isa == "portable":
-        return ["-march=x86-64", "-mtune=generic"] if x86 else []
+        if x86:
+            return ["-march=x86-64", "-mtune=generic"]
+        # 64-bit ARM: the dot-product extension where the CPU has it (int8_act_gemm's sdot tiles)
+        return ["-march=armv8.2-a+dotprod"] if cpu.machine in ("aarch64", "arm64") and cpu.has("asimddp") else []
     if isa == cpu.best_isa:
         return ["-march=native"]
     if isa == "avx2":
@@ -182,6 +186,7 @@ class KernelPlan:
     prepack_bf16: bool  # oneDNN-blocked bf16 weights for the dense GEMM
     kv_dtype: "torch.dtype | None" = None  # the KV cache's element type under kv_cache_dtype auto (None: dtype)
     avx_vnni: bool = False  # the AVX2 build has AVX-VNNI's 256-bit dot products (built for a CPU that has them)
+    arm_dot: bool = False  # the portable build on 64-bit ARM with the dot-product extension (sdot tiles)
 
     def rows_table(self) -> list[tuple[str, str]]:
         """(rows, kernel) for each range of call sizes, smallest first, for a projection that has
@@ -199,6 +204,8 @@ class KernelPlan:
             ranges.append((self.amx_max_rows, "amx_bf16_gemm (AMX bf16 tiles)"))
         if self.int8_activations:
             level = f"{self.isa} + AVX-VNNI" if self.avx_vnni else self.isa
+            if self.arm_dot:
+                level = f"{self.isa} + Arm dot products"
             ranges.append((self.int8_act_max_rows, f"int8_act_gemm ({level}: integer dot products, x as int8)"))
         dense = "oneDNN prepacked bf16" if self.prepack_bf16 else str(self.dtype).removeprefix("torch.")
         ranges.append((None, f"dense GEMM ({dense})"))
@@ -257,7 +264,8 @@ def plan_engine(
                         "applies to the plan only")
     cpu = cpu_info()
     vnni = kernels and isa_rank(isa) >= isa_rank("avx512") and cpu.has("avx512_vnni")
-    integer_dots = kernels and isa_rank(isa) >= isa_rank("avx2")  # int8_act_gemm's fast paths
+    # int8_act_gemm's fast paths: x86's AVX2 and AVX-512 tiles, or 64-bit ARM's sdot tiles
+    integer_dots = kernels and (isa_rank(isa) >= isa_rank("avx2") or "neondot" in cpu_kernels.built_features())
     amx = isa == "amx"
     # float32 chosen by dtype auto on a CPU with the integer kernels: every call on int8_act_gemm
     every_call_int8 = weight_quant == "auto" and dtype == torch.float32 and dtype_requested == "auto" and integer_dots
@@ -273,7 +281,7 @@ def plan_engine(
         if packed_rows is None:
             packed_rows = WEIGHT_ONLY_KERNEL_MAX_ROWS if resolved != "none" and vnni else ATEN_PACKED_MAX_ROWS
         if int8_activations and not integer_dots:
-            warnings.append("int8_activations needs a CPU with AVX2 and the C++ kernels; using the dense weights")
+            warnings.append("int8_activations needs the C++ kernels on a CPU with AVX2 or 64-bit ARM dot products; using the dense weights")
             int8_activations = False
         if int8_act_max_rows is None and amx:
             int8_act_max_rows = AMX_INT8_ACT_MAX_ROWS
@@ -303,6 +311,7 @@ def plan_engine(
         # they read them), half the bytes a decode step's attention reads, as llama.cpp's f16 cache
         kv_dtype=torch.float16 if every_call_int8 else None,
         avx_vnni=kernels and isa == "avx2" and "avxvnni" in cpu_kernels.built_features(),
+        arm_dot=kernels and isa == "portable" and "neondot" in cpu_kernels.built_features(),
     )
     return plan, warnings
 

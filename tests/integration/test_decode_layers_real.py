@@ -77,3 +77,25 @@ def test_other_plans_and_steps_take_the_python_path():
     assert isinstance(llm.engine.core.runner.model._decode_layers, decode_layers.DecodeLayers)
     again = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in shared]
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_the_arm_plan_runs_the_same_engine(monkeypatch):
+    """What a 64-bit ARM CPU with dot products runs (the portable level with its sdot tiles:
+    every projection on int8_act_gemm, the float16 KV cache, the layers in one C++ call), here
+    with this process's kernels in place of the ARM build's: the same tokens and log-probabilities
+    bit for bit as this CPU's own plan, so nothing above the kernels depends on the x86 levels.
+    The sdot tiles themselves are tests/unit/test_neon_tiles.py's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    own = LLM("smollm2-135m-instruct", kv_cache_memory_mb=128).generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
+    arm = kernel_plan.CpuInfo(model="an ARM CPU", machine="aarch64", flags=frozenset({"fp", "asimd", "asimddp"}))
+    monkeypatch.setattr(kernel_plan, "cpu_info", lambda: arm)
+    monkeypatch.setattr(cpu_kernels, "built_features", lambda: ["neon", "neondot"])
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory_mb=128)
+    plan = llm.engine.core.plan
+    assert plan.isa == "portable" and plan.arm_dot and plan.int8_activations and plan.int8_act_max_rows is None
+    ran = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert isinstance(llm.engine.core.runner.model._decode_layers, decode_layers.DecodeLayers)
+    for a, b in zip(ran, own):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]

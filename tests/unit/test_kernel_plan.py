@@ -73,6 +73,8 @@ def test_compile_flags_per_level():
     assert kernel_plan.compile_flags("avx2", amx) == ["-march=x86-64-v3"]
     assert kernel_plan.compile_flags("portable", amx) == ["-march=x86-64", "-mtune=generic"]
     assert kernel_plan.compile_flags("portable", cpu(frozenset({"asimd"}), "aarch64")) == []
+    assert kernel_plan.compile_flags("portable", cpu(frozenset({"asimd", "asimddp"}), "aarch64")) == [
+        "-march=armv8.2-a+dotprod"]
     with pytest.raises(ValueError):
         kernel_plan.compile_flags("amx", cpu(AVX2))
 
@@ -91,7 +93,8 @@ def test_the_portable_level_builds_for_arm(tmp_path):
     libraries are left out of the link (they would be ARM's), and nothing is run."""
     arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
     flags = cpu_kernels.source_flags("portable", arm)
-    assert not any(f.startswith(("-march", "-mtune", "-mavx")) for f in flags)
+    assert not any(f.startswith(("-march=x86", "-mtune", "-mavx")) for f in flags)
+    assert "-march=armv8.2-a+dotprod" in flags
 
     def compile_one(source):
         obj = tmp_path / f"{source.stem}.o"
@@ -109,6 +112,11 @@ def test_the_portable_level_builds_for_arm(tmp_path):
     link = subprocess.run([ARM_CXX, *(str(obj) for *_, obj in built), "-o", str(library), "-shared", "-fopenmp",
                            *cpu_kernels.vector_math_flags(ARM_CXX)], capture_output=True, text=True)
     assert link.returncode == 0, link.stderr[-1500:]
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump is not None:  # int8_act_gemm took the dot-product tiles, not the portable loops
+        code = subprocess.run([objdump, "-d", str(tmp_path / "int8_act_gemm.o")], capture_output=True, text=True,
+                              check=True).stdout
+        assert "sdot" in code
     nm = shutil.which("aarch64-linux-gnu-nm")
     if nm is not None and not cpu_kernels.vector_math_flags(ARM_CXX):
         undefined = subprocess.run([nm, "-u", str(library)], capture_output=True, text=True, check=True).stdout
@@ -187,6 +195,24 @@ def test_the_avx2_plan_runs_every_call_on_the_integer_kernel():
     assert [r for r, _ in exact.rows_table()] == ["1+"]
     portable, _ = _plan(torch.float32, cpu_isa="portable")  # no fast integer path: the dense weights
     assert portable.weight_quant == "none" and not portable.int8_activations
+
+
+def test_an_arm_cpu_with_dot_products_runs_every_call_on_the_integer_kernel(monkeypatch):
+    """64-bit ARM runs the portable level; where the CPU has the dot-product extension that build
+    carries int8_act_gemm's sdot tiles (kernel_isa names "neondot"), and the plan takes them at
+    every call size, as the AVX2 plan does. Without the extension: the dense weights."""
+    monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
+    arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
+    monkeypatch.setattr(kernel_plan, "cpu_info", lambda: arm)
+    monkeypatch.setattr(cpu_kernels, "built_features", lambda: ["neon", "neondot"])
+    plan, _ = _plan(torch.float32)
+    assert plan.isa == "portable" and plan.arm_dot and not plan.avx_vnni
+    assert plan.weight_quant == "checkpoint" and plan.int8_activations and plan.int8_act_max_rows is None
+    assert plan.kv_dtype == torch.float16 and not plan.int4_integer_kernel
+    assert plan.rows_table() == [("1+", "int8_act_gemm (portable + Arm dot products: integer dot products, x as int8)")]
+    monkeypatch.setattr(cpu_kernels, "built_features", lambda: ["neon"])  # an Armv8.0 core: no sdot
+    plain, _ = _plan(torch.float32)
+    assert not plain.arm_dot and plain.weight_quant == "none" and not plain.int8_activations
 
 
 def test_bf16_plans_per_level():

@@ -33,6 +33,9 @@ std::string kernel_isa() {
 #if defined(__ARM_NEON)
   out += " neon";
 #endif
+#if defined(__ARM_FEATURE_DOTPROD)
+  out += " neondot";
+#endif
   return out;
 }
 
