@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gemel import LLM, SamplingParams
+from gemel.engine.model_runner import ModelRunner
 from gemel.layers import cpu_kernels, decode_layers, kernel_plan
 
 PROMPTS = [[1000 + i] + list(range(200 + 7 * i, 240 + 7 * i)) for i in range(3)] + [[1000] + list(range(200, 240)) + [5]]
@@ -63,20 +64,48 @@ def test_whole_step_on_the_avx2_build():
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
-def test_other_plans_and_steps_take_the_python_path():
-    """Dense float32 projections never build it; with the AVX2 plan, a batch sharing a cached
-    prefix (cascade attention) takes the Python path for its steps, with the same tokens."""
+def test_other_plans_and_steps_take_the_python_path(monkeypatch):
+    """Dense float32 projections never build it. With the AVX2 plan, a batch sharing a cached
+    prefix of 256 tokens or more takes it too (the decode kernel reads the shared blocks in
+    place; nothing is cascaded), with the same tokens and log-probabilities bit for bit as the
+    Python path on the same batch; with the decode kernel off the batch is cascaded and every
+    step takes the Python path. (Against each prompt run alone the tokens may part at a near-tie:
+    one sequence's decode attention alone splits its keys across the threads.)"""
     dense = LLM("smollm2-135m-instruct", dtype="float32", weight_quant="none", kv_cache_memory_mb=128)
     dense.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=3))
     assert getattr(dense.engine.core.runner.model, "_decode_layers", None) in (None, False)
-    llm = LLM("smollm2-135m-instruct", cpu_isa="avx2", kv_cache_memory_mb=128)
-    shared = [list(range(300, 300 + 64)) + [7 + i] for i in range(4)]  # 4 full blocks in common
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate(prompt_token_ids=shared[:1], sampling_params=params)  # caches the prefix
-    first = llm.generate(prompt_token_ids=shared, sampling_params=params)
-    assert isinstance(llm.engine.core.runner.model._decode_layers, decode_layers.DecodeLayers)
-    again = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in shared]
-    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    shared = [list(range(300, 300 + 288)) + [7 + i] for i in range(4)]  # 18 full blocks in common
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    taken, cascaded = [], []
+    real_for_step, real_group = decode_layers.for_step, ModelRunner._decode_group
+
+    def counting(*args, **kwargs):
+        program = real_for_step(*args, **kwargs)
+        taken.append(program is not None)
+        return program
+
+    def recording(self, *args, **kwargs):
+        group = real_group(self, *args, **kwargs)
+        cascaded.append(group.shared_slots is not None)
+        return group
+
+    monkeypatch.setattr(decode_layers, "for_step", counting)
+    monkeypatch.setattr(ModelRunner, "_decode_group", recording)
+    runs = {}
+    for kernel in (True, False):
+        llm = LLM("smollm2-135m-instruct", cpu_isa="avx2", kv_cache_memory_mb=128, cpu_attention_kernel=kernel)
+        llm.generate(prompt_token_ids=shared[:1], sampling_params=params)  # caches the prefix
+        taken.clear()
+        cascaded.clear()
+        runs[kernel] = llm.generate(prompt_token_ids=shared, sampling_params=params)
+        assert any(taken) == kernel and any(cascaded) != kernel
+        if kernel:
+            monkeypatch.setattr(decode_layers, "for_step", lambda *a, **k: None)
+            python = llm.generate(prompt_token_ids=shared, sampling_params=params)
+            monkeypatch.setattr(decode_layers, "for_step", counting)
+            for a, b in zip(runs[kernel], python):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
 
 
 def test_the_arm_plan_runs_the_same_engine(monkeypatch):

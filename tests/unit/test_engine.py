@@ -234,18 +234,30 @@ def test_decodes_with_very_different_contexts_attend_in_separate_groups(tiny_lla
     assert together == alone
 
 
-def test_sequences_behind_a_shared_prefix_decode_with_cascade_attention(llm):
-    """Prompts sharing a 300-token prefix (cached blocks) decode with the prefix attended
-    once for the group; each one's tokens equal its solo run."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_sequences_behind_a_shared_prefix(tiny_llama_dir, kernel):
+    """Prompts sharing a 300-token prefix (cached blocks): without the C++ decode kernel (a GPU,
+    or kernels off) they decode with the prefix attended once for the group (cascade); where
+    the kernel attends decodes it reads every context in place and nothing is cascaded. Either
+    way each one's tokens equal its solo run."""
     from gemel.engine.model_runner import CASCADE_MIN_SHARED_TOKENS
 
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, cpu_attention_kernel=kernel)
+    if kernel and not llm.engine.core.runner.decode_kernel:
+        pytest.skip("the C++ kernels are not available here")
     prefix = [_rng.randrange(3, 300) for _ in range(300)]
     assert len(prefix) >= CASCADE_MIN_SHARED_TOKENS
     prompts = [prefix + [_rng.randrange(3, 300) for _ in range(n)] for n in (3, 9, 17, 1)]
     alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
     together, steps = _generate_recording_steps(llm, prompts)
     cascaded = [g.shared_slots.numel() for _, meta in steps for g in meta.groups if g.shared_slots is not None]
-    assert cascaded and min(cascaded) >= CASCADE_MIN_SHARED_TOKENS
+    decodes_together = [meta for scheduled, meta in steps
+                        if len(scheduled) == len(prompts) and all(n == 1 for _, n in scheduled)]
+    assert decodes_together
+    if kernel:
+        assert not cascaded and all(meta.decode_kernel for meta in decodes_together)
+    else:
+        assert cascaded and min(cascaded) >= CASCADE_MIN_SHARED_TOKENS
     assert together == alone
 
 
