@@ -49,6 +49,31 @@ def test_whole_step_equals_the_python_path(model, monkeypatch):
         assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
 
 
+def test_decodes_of_very_different_contexts_take_it(monkeypatch):
+    """A 900-token context among short ones stays in the step's one attention group (the
+    kernel reads each context to its own length), so the step still takes the C++ layers,
+    with the Python path's tokens and log-probabilities bit for bit."""
+    prompts = [list(range(200, 1100))] + PROMPTS[:3]
+    llm = LLM("smollm2-135m-instruct", cpu_isa="avx2", kv_cache_memory_mb=128)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    taken = []
+    real = decode_layers.for_step
+
+    def counting(*args, **kwargs):
+        program = real(*args, **kwargs)
+        taken.append(program is not None)
+        return program
+
+    monkeypatch.setattr(decode_layers, "for_step", counting)
+    whole = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert sum(taken) >= 8, taken  # the steps after the long prompt's prefill
+    monkeypatch.setattr(decode_layers, "for_step", lambda *a, **k: None)
+    python = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for a, b in zip(whole, python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
 def test_whole_step_on_the_avx2_build():
     """Where this process runs a higher build (the AVX-512 tiles), the test above once more
     against the AVX2 build, whose 5- and 6-bit tiles Gemma 3's blocks take, in a process of its

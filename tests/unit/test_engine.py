@@ -221,15 +221,21 @@ def _generate_recording_steps(llm, prompts):
         runner.prepare = prepare
 
 
-def test_decodes_with_very_different_contexts_attend_in_separate_groups(tiny_llama_dir, llm):
-    """A long-context decode among short ones gets its own attention group (no padding of
-    the short ones to its length), and everyone's tokens equal their solo runs."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_decodes_with_very_different_contexts(tiny_llama_dir, kernel):
+    """A long-context decode among short ones: on the PyTorch path it gets its own attention
+    group (no padding of the short ones to its length); where the C++ kernel attends decodes,
+    which reads each context to its own length, all stay one group. Either way everyone's
+    tokens equal their solo runs."""
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, cpu_attention_kernel=kernel)
+    if kernel and not llm.engine.core.runner.decode_kernel:
+        pytest.skip("the C++ kernels are not available here")
     long_prompt = [_rng.randrange(3, 300) for _ in range(400)]  # the tiny model has 512 positions
     prompts = [long_prompt] + MIXED[:6]
     together, steps = _generate_recording_steps(llm, prompts)
     full_decodes = [len(meta.groups) for scheduled, meta in steps
                     if len(scheduled) == len(prompts) and all(n == 1 for _, n in scheduled)]
-    assert full_decodes and all(g == 2 for g in full_decodes)
+    assert full_decodes and all(g == (1 if kernel else 2) for g in full_decodes)
     alone = [_tokens(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in prompts]
     assert together == alone
 
