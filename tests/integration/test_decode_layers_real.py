@@ -26,11 +26,9 @@ def _kernels():
         pytest.skip("needs an AVX2 CPU and the C++ kernels")
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
-def test_whole_step_equals_the_python_path(model, monkeypatch):
-    llm = LLM(model, cpu_isa="avx2", kv_cache_memory_mb=128)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    taken = []
+def count_whole_steps(monkeypatch) -> list[bool]:
+    """From now on, whether each step took the layers' one C++ call, appended step by step."""
+    taken: list[bool] = []
     real = decode_layers.for_step
 
     def counting(*args, **kwargs):
@@ -39,14 +37,30 @@ def test_whole_step_equals_the_python_path(model, monkeypatch):
         return program
 
     monkeypatch.setattr(decode_layers, "for_step", counting)
-    whole = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-    assert any(taken), "no decode step took the C++ layers"
-    assert not all(taken), "steps with a prompt chunk take the Python path"
+    return taken
+
+
+def assert_python_path_equal(llm, prompts, params, whole, monkeypatch) -> None:
+    """The same requests on the Python path (the C++ layers refused): the same tokens and
+    log-probabilities bit for bit as ``whole``."""
+    counting = decode_layers.for_step
     monkeypatch.setattr(decode_layers, "for_step", lambda *a, **k: None)
-    python = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    python = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    monkeypatch.setattr(decode_layers, "for_step", counting)
     for a, b in zip(whole, python):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_whole_step_equals_the_python_path(model, monkeypatch):
+    llm = LLM(model, cpu_isa="avx2", kv_cache_memory_mb=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    taken = count_whole_steps(monkeypatch)
+    whole = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert any(taken), "no decode step took the C++ layers"
+    assert not all(taken), "steps with a prompt chunk take the Python path"
+    assert_python_path_equal(llm, PROMPTS, params, whole, monkeypatch)
 
 
 def test_decodes_of_very_different_contexts_take_it(monkeypatch):
@@ -56,22 +70,10 @@ def test_decodes_of_very_different_contexts_take_it(monkeypatch):
     prompts = [list(range(200, 1100))] + PROMPTS[:3]
     llm = LLM("smollm2-135m-instruct", cpu_isa="avx2", kv_cache_memory_mb=128)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    taken = []
-    real = decode_layers.for_step
-
-    def counting(*args, **kwargs):
-        program = real(*args, **kwargs)
-        taken.append(program is not None)
-        return program
-
-    monkeypatch.setattr(decode_layers, "for_step", counting)
+    taken = count_whole_steps(monkeypatch)
     whole = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert sum(taken) >= 8, taken  # the steps after the long prompt's prefill
-    monkeypatch.setattr(decode_layers, "for_step", lambda *a, **k: None)
-    python = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    for a, b in zip(whole, python):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    assert_python_path_equal(llm, prompts, params, whole, monkeypatch)
 
 
 def test_whole_step_on_the_avx2_build():
@@ -101,36 +103,24 @@ def test_other_plans_and_steps_take_the_python_path(monkeypatch):
     assert getattr(dense.engine.core.runner.model, "_decode_layers", None) in (None, False)
     shared = [list(range(300, 300 + 288)) + [7 + i] for i in range(4)]  # 18 full blocks in common
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    taken, cascaded = [], []
-    real_for_step, real_group = decode_layers.for_step, ModelRunner._decode_group
-
-    def counting(*args, **kwargs):
-        program = real_for_step(*args, **kwargs)
-        taken.append(program is not None)
-        return program
+    taken, cascaded = count_whole_steps(monkeypatch), []
+    real_group = ModelRunner._decode_group
 
     def recording(self, *args, **kwargs):
         group = real_group(self, *args, **kwargs)
         cascaded.append(group.shared_slots is not None)
         return group
 
-    monkeypatch.setattr(decode_layers, "for_step", counting)
     monkeypatch.setattr(ModelRunner, "_decode_group", recording)
-    runs = {}
     for kernel in (True, False):
         llm = LLM("smollm2-135m-instruct", cpu_isa="avx2", kv_cache_memory_mb=128, cpu_attention_kernel=kernel)
         llm.generate(prompt_token_ids=shared[:1], sampling_params=params)  # caches the prefix
         taken.clear()
         cascaded.clear()
-        runs[kernel] = llm.generate(prompt_token_ids=shared, sampling_params=params)
+        together = llm.generate(prompt_token_ids=shared, sampling_params=params)
         assert any(taken) == kernel and any(cascaded) != kernel
         if kernel:
-            monkeypatch.setattr(decode_layers, "for_step", lambda *a, **k: None)
-            python = llm.generate(prompt_token_ids=shared, sampling_params=params)
-            monkeypatch.setattr(decode_layers, "for_step", counting)
-            for a, b in zip(runs[kernel], python):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids
-                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+            assert_python_path_equal(llm, shared, params, together, monkeypatch)
 
 
 def test_the_arm_plan_runs_the_same_engine(monkeypatch):
