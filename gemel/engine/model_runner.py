@@ -147,8 +147,10 @@ class ModelRunner:
                 logits_rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
             elif end == seq.num_tokens:
                 logits_rows.append(row - 1)
-        groups = [self._decode_group([decode[0][i] for i in b], [decode[1][i] for i in b], [decode[2][i] for i in b])
-                  for b in self._decode_batches([len(slots) for slots in decode[2]])]
+        kernel = self._kernel_decodes()
+        groups = [self._decode_group([decode[0][i] for i in b], [decode[1][i] for i in b], [decode[2][i] for i in b],
+                                     kernel)
+                  for b in self._decode_batches([len(slots) for slots in decode[2]], kernel)]
         if prefill[0]:
             groups.append(build_group(prefill[0], prefill[1], prefill[2], self.sliding_window, self.device))
         meta = AttentionMetadata(
@@ -162,18 +164,20 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
         return ids, pos, meta, logits_rows
 
-    def _decode_batches(self, context_lens: list[int]) -> list[list[int]]:
+    @staticmethod
+    def _decode_batches(context_lens: list[int], kernel: bool) -> list[list[int]]:
         """The decodes' attention groups. The C++ kernel reads each context to its own length,
         so where it attends decodes they stay one group whatever their lengths, and the step
         keeps the layers' one C++ call (which takes a single group): 32 decodes of 150 to 2,400
         tokens of context took 8-13% less a step so than in the groups below (SmolLM2 and
         Gemma 3, Zen 4), one of 3,000 or 7,000 among 150s as much or less. The PyTorch path
-        pads every member to the group's longest, so there lengths far apart go apart."""
-        if self._kernel_decodes():
+        pads every member to the group's longest, so there lengths far apart go apart.
+        ``kernel``: whether the C++ kernel attends the decodes (``_kernel_decodes``)."""
+        if kernel:
             return [list(range(len(context_lens)))] if context_lens else []
         return split_by_context(context_lens)
 
-    def _decode_group(self, rows: list[range], positions: list[list[int]], slots: list[np.ndarray]):
+    def _decode_group(self, rows: list[range], positions: list[list[int]], slots: list[np.ndarray], kernel: bool):
         """A decode group; cascaded when its sequences share a long enough context prefix and
         the C++ kernel does not attend them. That kernel reads each sequence's context where it
         lies in the paged cache, so a shared prefix's blocks come from the CPU's caches for every
@@ -181,12 +185,12 @@ class ModelRunner:
         gathers the prefix and runs PyTorch matmuls. 32 decodes behind a shared prefix of 1,000
         to 6,000 tokens took 1.3-2x longer a step cascaded, on every plan tried."""
         shared = 0
-        if self.sliding_window is None and len(slots) >= 2 and not self._kernel_decodes():
+        if self.sliding_window is None and len(slots) >= 2 and not kernel:
             shared = shared_prefix_len(slots, self.block_size)
         if shared >= CASCADE_MIN_SHARED_TOKENS:
             return build_group(rows, positions, [s[shared:] for s in slots], None, self.device,
                                shared_slots=slots[0][:shared].tolist())
-        return build_group(rows, positions, slots, self.sliding_window, self.device, masks=not self._kernel_decodes())
+        return build_group(rows, positions, slots, self.sliding_window, self.device, masks=not kernel)
 
     def _kernel_decodes(self) -> bool:
         """Whether the C++ kernel attends this runner's decodes (no masks needed then)."""

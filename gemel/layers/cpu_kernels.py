@@ -62,22 +62,10 @@ def has_amx() -> bool:
     return (_loaded_isa or kernel_plan.resolve_isa()) == "amx"
 
 
-def serves_sub16_scales() -> bool:
-    """Whether the loaded int8_act_gemm takes a scale per 16 codes (GGUF Q6_K): every build
-    does, whenever the kernels load."""
-    return load()
-
-
 def built_features() -> list[str]:
     """The instruction-set extensions the loaded kernels were compiled with (``avx2``,
     ``avxvnni``, ``avx512vnni``, ...); empty without kernels."""
     return torch.ops.gemel.kernel_isa().split()[1:] if load() else []
-
-
-def serves_five_bit_codes() -> bool:
-    """Whether the loaded int8_act_gemm takes 5-bit codes (GGUF Q5_0) as nibbles plus a plane
-    of fifth bits: every build does, whenever the kernels load."""
-    return load()
 
 
 def amx_tiles_available() -> bool:

@@ -157,7 +157,7 @@ class Linear(nn.Module):
         elif int8 is not None:  # w = q * scale = (q + 128) * scale - 128 * scale
             if bool((int8.q == -128).any()):
                 return False  # the AVX2 tiles take 8-bit codes as u - 128 in a signed byte (llama.cpp's files have none)
-            if int8.group_size not in (16, 32) or (int8.group_size == 16 and not cpu_kernels.serves_sub16_scales()):
+            if int8.group_size not in (16, 32):
                 return False
             scale, low = int8.scale.float(), None
             if int8.group_size == 16 and int(int8.q.min()) >= -32 and int(int8.q.max()) < 32:
@@ -423,11 +423,10 @@ def pack_group_codes(
 
 
 def _five_bit_codes(groups: Int8Groups) -> bool:
-    """Whether int8 groups are 5-bit codes (GGUF Q5_0: q in -16..15, one scale per 32) that
-    the loaded int8_act_gemm takes as nibbles plus a plane of fifth bits: 62.5% of the bytes
+    """Whether int8 groups are 5-bit codes (GGUF Q5_0: q in -16..15, one scale per 32), which
+    int8_act_gemm takes as nibbles plus a plane of fifth bits on every build: 62.5% of the bytes
     of 8-bit codes, and fewer ops on the AVX2 tiles."""
-    return (groups.group_size == 32 and cpu_kernels.serves_five_bit_codes()
-            and int(groups.q.min()) >= -16 and int(groups.q.max()) < 16)
+    return groups.group_size == 32 and int(groups.q.min()) >= -16 and int(groups.q.max()) < 16
 
 
 def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -13,8 +13,8 @@
 
 namespace {
 
-using gemel::neon::kBlockRows;
-using gemel::neon::kGroup;
+using gemel::int8_act::kBlockRows;
+using gemel::int8_act::kGroup;
 
 struct Kind {
   const char* name;

@@ -76,7 +76,6 @@ def test_scales_per_16_codes_take_the_integer_kernel_where_it_serves_them(rows, 
     groups = _int8_groups_of_16(out_f, in_f, seed=rows * 7 + out_f, bits=bits)
     groups.q[0] = 2 ** (bits - 1) - 1
     lin = _linear(groups)
-    assert cpu_kernels.serves_sub16_scales()
     assert lin.add_int8_activation_gemm_() and lin.act_scale.shape[-1] == 32
     assert lin.int8_act_zero_point == (32 if bits == 6 else 128)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
@@ -97,7 +96,7 @@ def test_five_bit_codes_are_packed_as_nibbles_and_fifth_bits(rows, out_f, half):
     written-out arithmetic, also where the largest codes meet the largest x (the AVX2 tiles'
     int16 sums are widened every two steps). A call of one row (the fifth bits ORed on in the
     tile) gives each row of a larger call (its codes unpacked to bytes first) bit for bit."""
-    assert cpu_kernels.load() and cpu_kernels.serves_five_bit_codes()
+    assert cpu_kernels.load()
     in_f = 128
     groups = _five_bit_groups(out_f, in_f, seed=rows * 31 + out_f, half=half)
     groups.q[0], groups.q[-1, :64] = 15, -16  # a row of the largest codes, and the smallest

@@ -31,6 +31,7 @@
 
 #include "argmax.h"
 #include "bf16.h"
+#include "int8_act_layout.h"
 #include "silu.h"
 
 #include <algorithm>
@@ -73,11 +74,12 @@ int64_t set_stream_prefetch(int64_t kinds) {
   return kinds < 0 ? stream_prefetch_kinds.load() : stream_prefetch_kinds.exchange(kinds);
 }
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockRows = 16;
-constexpr int64_t kBlockBytes = kBlockRows * kGroup;  // one group's codes of one block
-constexpr int64_t kNibbleBlockBytes = kBlockBytes / 2;  // the same, two 4-bit codes a byte
-constexpr int64_t kFiveBlockBytes = kNibbleBlockBytes + kBlockBytes / 8;  // 5-bit: nibbles + fifth bits
+using gemel::int8_act::kBlockBytes;
+using gemel::int8_act::kBlockRows;
+using gemel::int8_act::kFiveBlockBytes;
+using gemel::int8_act::kGroup;
+using gemel::int8_act::kGroupCodeBytes;
+using gemel::int8_act::kNibbleBlockBytes;
 constexpr int64_t kTileRows = 4;                     // rows of x per register tile
 constexpr int64_t kTileBlocks = 3;                   // blocks of 16 outputs per register tile
 static_assert(kTileRows == 4, "tile_rows handles the last 1-3 rows of x case by case");
@@ -184,11 +186,6 @@ inline void store_row(T* y, const float* values, int64_t count) {
 }
 
 #if defined(GEMEL_VNNI)
-// A block's codes for one group: 4-bit codes two to a byte (5-bit ones with their plane of fifth
-// bits after), any others as bytes.
-template <bool kNibbles, bool kFive = false>
-constexpr int64_t kGroupCodeBytes = kFive ? kFiveBlockBytes : kNibbles ? kNibbleBlockBytes : kBlockBytes;
-
 // 16 scales or offsets, stored as float32 or float16.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
@@ -708,7 +705,7 @@ void gemm_blocks_avx2(const int8_t* codes, const float* unit, const float* code_
   // on a Zen 5 capped at AVX2 (2 threads, three alternated runs): Gemma 3's Q8_0 LM head
   // (262,144 x 640) 64-82 -> 57-63 ms; thirty 3,072 x 576 4-bit weights called in turn (so
   // read from memory, as in a decode step) 119-128 -> 135-169 GMAC/s.
-  constexpr int64_t kGroupBytes = kFive ? kFiveBlockBytes : kNibbles ? kNibbleBlockBytes : kBlockBytes;
+  constexpr int64_t kGroupBytes = kGroupCodeBytes<kNibbles, kFive>;
   const int64_t block_lines = groups * kGroupBytes / 64;
   const int64_t tiles_per_block = 2 * ((rows + kTileRows - 1) / kTileRows);
   const int64_t lines_per_tile = rows > 2 ? (block_lines + tiles_per_block - 1) / tiles_per_block : 0;

@@ -12,8 +12,9 @@
 // and fit a signed byte as they are; 8-bit codes go in as u - 128 (an exclusive-or) and get 128
 // times the sum of x's codes back.
 //
-// Torch-free on purpose: tests/csrc/neon_tiles_check.cpp compiles this header for ARM and runs
-// it under an emulator against the layout written out, since the test machines are x86.
+// Torch-free on purpose (the layout's constants are int8_act_layout.h's):
+// tests/csrc/neon_tiles_check.cpp compiles this header for ARM and runs it under an emulator
+// against the layout written out, since the test machines are x86.
 #pragma once
 
 #include <arm_neon.h>
@@ -22,14 +23,15 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "int8_act_layout.h"
+
 namespace gemel::neon {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockRows = 16;
-constexpr int64_t kBlockBytes = kBlockRows * kGroup;            // 8-bit codes: 8 vectors of 64 bytes
-constexpr int64_t kNibbleBlockBytes = kBlockBytes / 2;          // 4-bit: vector j < 4 low nibbles, j + 4 high
-constexpr int64_t kFiveBlockBytes = kNibbleBlockBytes + kBlockBytes / 8;  // 5-bit: + a plane of fifth bits
-constexpr int kTileRows = 4;                                   // rows of x a tile multiplies at once
+using int8_act::kBlockRows;
+using int8_act::kGroup;
+using int8_act::kGroupCodeBytes;
+using int8_act::kNibbleBlockBytes;
+constexpr int kTileRows = 4;  // rows of x a tile multiplies at once
 
 // Four scales or offsets (float32 or float16) as float32.
 template <typename S>
@@ -80,7 +82,7 @@ void quarter_tile(const int8_t* codes, const float* unit, const float* code_sum,
                   const uint8_t* w, const S* d, const S* low, T* y, int64_t m0, int64_t in_features,
                   int64_t out_features, int64_t b, int q) {
   const int64_t groups = in_features / kGroup;
-  constexpr int64_t group_bytes = kNibbles ? (kFive ? kFiveBlockBytes : kNibbleBlockBytes) : kBlockBytes;
+  constexpr int64_t group_bytes = kGroupCodeBytes<kNibbles, kFive>;
   constexpr int64_t scales = (kSub16 ? 2 : 1) * kBlockRows;  // a block's scales per group
   float32x4_t total[R];
   for (int r = 0; r < R; ++r) total[r] = vdupq_n_f32(0.f);
