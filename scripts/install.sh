@@ -49,7 +49,7 @@ if ! compgen -G "/usr/lib/*/libjemalloc.so.2" >/dev/null && [ ! -e /usr/lib64/li
 fi
 # A cross compiler for 64-bit ARM and QEMU's user-mode emulator, so the tests check that the
 # kernels' portable level builds there (tests/unit/test_kernel_plan.py; compiled and linked) and
-# run int8_act_gemm's ARM dot-product tiles (tests/unit/test_neon_tiles.py). Best effort:
+# run int8_act_gemm's ARM tiles, with and without dot products (tests/unit/test_neon_tiles.py). Best effort:
 # without them those tests skip.
 if [ "$(uname -m)" = x86_64 ] && { ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 \
     || ! command -v qemu-aarch64 >/dev/null 2>&1; }; then

@@ -7,8 +7,8 @@ by ``gemel info``.
 
 Instruction-set levels, lowest first (each CPU runs its own level and every one below it):
 
-- ``portable``: plain C++ (any x86-64 or ARM CPU; on 64-bit ARM CPUs with the dot-product
-  extension, int8_act_gemm's tiles use it, and the plan then takes the integer kernels);
+- ``portable``: plain C++ (any x86-64 or ARM CPU; on 64-bit ARM int8_act_gemm has NEON tiles,
+  on the dot-product extension where the CPU has it, and the plan then takes the integer kernels);
 - ``avx2``: x86-64-v3 (AVX2, FMA, F16C), e.g. AMD Zen 1-3 and Intel Haswell to Comet Lake;
 - ``avx512``: AVX-512 (with VNNI and BF16 where the CPU has them), e.g. Ice Lake, Zen 4/5;
 - ``amx``: AVX-512 with AMX tiles (Sapphire Rapids and later Xeons).
@@ -187,6 +187,7 @@ class KernelPlan:
     kv_dtype: "torch.dtype | None" = None  # the KV cache's element type under kv_cache_dtype auto (None: dtype)
     avx_vnni: bool = False  # the AVX2 build has AVX-VNNI's 256-bit dot products (built for a CPU that has them)
     arm_dot: bool = False  # the portable build on 64-bit ARM with the dot-product extension (sdot tiles)
+    arm_neon: bool = False  # the portable build on 64-bit ARM without it (widening-multiply tiles)
 
     def rows_table(self) -> list[tuple[str, str]]:
         """(rows, kernel) for each range of call sizes, smallest first, for a projection that has
@@ -206,6 +207,8 @@ class KernelPlan:
             level = f"{self.isa} + AVX-VNNI" if self.avx_vnni else self.isa
             if self.arm_dot:
                 level = f"{self.isa} + Arm dot products"
+            elif self.arm_neon:
+                level = f"{self.isa} + Arm NEON"
             ranges.append((self.int8_act_max_rows, f"int8_act_gemm ({level}: integer dot products, x as int8)"))
         dense = "oneDNN prepacked bf16" if self.prepack_bf16 else str(self.dtype).removeprefix("torch.")
         ranges.append((None, f"dense GEMM ({dense})"))
@@ -264,8 +267,12 @@ def plan_engine(
                         "applies to the plan only")
     cpu = cpu_info()
     vnni = kernels and isa_rank(isa) >= isa_rank("avx512") and cpu.has("avx512_vnni")
-    # int8_act_gemm's fast paths: x86's AVX2 and AVX-512 tiles, or 64-bit ARM's sdot tiles
-    integer_dots = kernels and (isa_rank(isa) >= isa_rank("avx2") or "neondot" in cpu_kernels.built_features())
+    # int8_act_gemm's fast paths: x86's AVX2 and AVX-512 tiles, or 64-bit ARM's NEON tiles (with
+    # sdot where the build has dot products). Even without sdot those read the file's 4-bit codes,
+    # an eighth of float32's bytes, where a decode step is bound by the memory.
+    built = cpu_kernels.built_features() if kernels else []
+    arm_tiles = isa == "portable" and "neon" in built and cpu.machine in ("aarch64", "arm64")
+    integer_dots = kernels and (isa_rank(isa) >= isa_rank("avx2") or arm_tiles)
     amx = isa == "amx"
     # float32 chosen by dtype auto on a CPU with the integer kernels: every call on int8_act_gemm
     every_call_int8 = weight_quant == "auto" and dtype == torch.float32 and dtype_requested == "auto" and integer_dots
@@ -281,7 +288,7 @@ def plan_engine(
         if packed_rows is None:
             packed_rows = WEIGHT_ONLY_KERNEL_MAX_ROWS if resolved != "none" and vnni else ATEN_PACKED_MAX_ROWS
         if int8_activations and not integer_dots:
-            warnings.append("int8_activations needs the C++ kernels on a CPU with AVX2 or 64-bit ARM dot products; using the dense weights")
+            warnings.append("int8_activations needs the C++ kernels on a CPU with AVX2 or on 64-bit ARM; using the dense weights")
             int8_activations = False
         if int8_act_max_rows is None and amx:
             int8_act_max_rows = AMX_INT8_ACT_MAX_ROWS
@@ -310,8 +317,9 @@ def plan_engine(
         # float32 on the integer kernels: the KV cache in float16 (the kernels widen its rows as
         # they read them), half the bytes a decode step's attention reads, as llama.cpp's f16 cache
         kv_dtype=torch.float16 if every_call_int8 else None,
-        avx_vnni=kernels and isa == "avx2" and "avxvnni" in cpu_kernels.built_features(),
-        arm_dot=kernels and isa == "portable" and "neondot" in cpu_kernels.built_features(),
+        avx_vnni=kernels and isa == "avx2" and "avxvnni" in built,
+        arm_dot=arm_tiles and "neondot" in built,
+        arm_neon=arm_tiles and "neondot" not in built,
     )
     return plan, warnings
 

@@ -1,9 +1,9 @@
 // Checks gemel/layers/csrc/int8_act_neon.h against int8_act_gemm's weight layout written out:
 // for each kind of codes the kernel takes (4-bit with offsets or a zero point, 5-bit, 8-bit, and
 // scales per 16 codes on 8- and 6-bit codes), float32 and float16 scales, and calls whose rows and
-// outputs do not fill a tile or a block. Built for 64-bit ARM with the dot-product extension and
-// run under an emulator by tests/unit/test_neon_tiles.py; prints "ok <cases>" or the first
-// mismatch and exits 1.
+// outputs do not fill a tile or a block. Built for 64-bit ARM, with the dot-product extension and
+// without, and run under an emulator by tests/unit/test_neon_tiles.py; prints "ok <cases>" or the
+// first mismatch and exits 1.
 #include "../../gemel/layers/csrc/int8_act_neon.h"
 
 #include <cmath>

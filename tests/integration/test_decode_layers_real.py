@@ -123,21 +123,24 @@ def test_other_plans_and_steps_take_the_python_path(monkeypatch):
             assert_python_path_equal(llm, shared, params, together, monkeypatch)
 
 
-def test_the_arm_plan_runs_the_same_engine(monkeypatch):
-    """What a 64-bit ARM CPU with dot products runs (the portable level with its sdot tiles:
-    every projection on int8_act_gemm, the float16 KV cache, the layers in one C++ call), here
-    with this process's kernels in place of the ARM build's: the same tokens and log-probabilities
-    bit for bit as this CPU's own plan, so nothing above the kernels depends on the x86 levels.
-    The sdot tiles themselves are tests/unit/test_neon_tiles.py's."""
+@pytest.mark.parametrize("dot_products", [True, False], ids=["dot-products", "armv8.0"])
+def test_the_arm_plan_runs_the_same_engine(monkeypatch, dot_products):
+    """What a 64-bit ARM CPU runs (the portable level with its NEON tiles, on sdot where the CPU
+    has dot products: every projection on int8_act_gemm, the float16 KV cache, the layers in one
+    C++ call), here with this process's kernels in place of the ARM build's: the same tokens and
+    log-probabilities bit for bit as this CPU's own plan, so nothing above the kernels depends on
+    the x86 levels. The tiles themselves are tests/unit/test_neon_tiles.py's."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     own = LLM("smollm2-135m-instruct", kv_cache_memory_mb=128).generate(prompt_token_ids=PROMPTS, sampling_params=params)
     monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
-    arm = kernel_plan.CpuInfo(model="an ARM CPU", machine="aarch64", flags=frozenset({"fp", "asimd", "asimddp"}))
+    flags = {"fp", "asimd", "asimddp"} if dot_products else {"fp", "asimd"}
+    arm = kernel_plan.CpuInfo(model="an ARM CPU", machine="aarch64", flags=frozenset(flags))
     monkeypatch.setattr(kernel_plan, "cpu_info", lambda: arm)
-    monkeypatch.setattr(cpu_kernels, "built_features", lambda: ["neon", "neondot"])
+    monkeypatch.setattr(cpu_kernels, "built_features", lambda: ["neon", "neondot"] if dot_products else ["neon"])
     llm = LLM("smollm2-135m-instruct", kv_cache_memory_mb=128)
     plan = llm.engine.core.plan
-    assert plan.isa == "portable" and plan.arm_dot and plan.int8_activations and plan.int8_act_max_rows is None
+    assert plan.isa == "portable" and plan.int8_activations and plan.int8_act_max_rows is None
+    assert (plan.arm_dot, plan.arm_neon) == (dot_products, not dot_products)
     ran = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
     assert isinstance(llm.engine.core.runner.model._decode_layers, decode_layers.DecodeLayers)
     for a, b in zip(ran, own):

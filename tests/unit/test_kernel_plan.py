@@ -90,7 +90,9 @@ def test_the_portable_level_builds_for_arm(tmp_path):
     build on an ARM CPU uses (no x86 intrinsic, header or flag outside its guards), and the
     objects link into one library with the build's own system libraries (the link once asked
     for glibc's vector maths on every machine; Debian 12's ARM glibc, 2.36, has none). PyTorch's
-    libraries are left out of the link (they would be ARM's), and nothing is run."""
+    libraries are left out of the link (they would be ARM's), and nothing is run. A CPU with
+    dot products gets int8_act_gemm's sdot tiles; an Armv8.0 one (its build compiled for that
+    file alone, the only one whose code differs) the widening-multiply tiles."""
     arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
     flags = cpu_kernels.source_flags("portable", arm)
     assert not any(f.startswith(("-march=x86", "-mtune", "-mavx")) for f in flags)
@@ -113,10 +115,19 @@ def test_the_portable_level_builds_for_arm(tmp_path):
                            *cpu_kernels.vector_math_flags(ARM_CXX)], capture_output=True, text=True)
     assert link.returncode == 0, link.stderr[-1500:]
     objdump = shutil.which("aarch64-linux-gnu-objdump")
-    if objdump is not None:  # int8_act_gemm took the dot-product tiles, not the portable loops
-        code = subprocess.run([objdump, "-d", str(tmp_path / "int8_act_gemm.o")], capture_output=True, text=True,
-                              check=True).stdout
-        assert "sdot" in code
+    armv80_flags = cpu_kernels.source_flags("portable", cpu(frozenset({"fp", "asimd"}), "aarch64"))
+    assert not any(f.startswith("-march") for f in armv80_flags)
+    armv80 = tmp_path / "armv8.0"
+    armv80.mkdir()
+    gemm = next(source for source in cpu_kernels.SOURCES if source.name == "int8_act_gemm.cpp")
+    result = subprocess.run([ARM_CXX, "-c", str(gemm), "-o", str(armv80 / "int8_act_gemm.o"), *armv80_flags],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-1500:]
+    if objdump is not None:  # int8_act_gemm took the NEON tiles, not the portable loops
+        for obj, dot_products in ((tmp_path / "int8_act_gemm.o", True), (armv80 / "int8_act_gemm.o", False)):
+            code = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+            assert ("sdot" in code) == dot_products
+            assert dot_products or ("smlal2" in code and "sadalp" in code)
     nm = shutil.which("aarch64-linux-gnu-nm")
     if nm is not None and not cpu_kernels.vector_math_flags(ARM_CXX):
         undefined = subprocess.run([nm, "-u", str(library)], capture_output=True, text=True, check=True).stdout
@@ -197,10 +208,11 @@ def test_the_avx2_plan_runs_every_call_on_the_integer_kernel():
     assert portable.weight_quant == "none" and not portable.int8_activations
 
 
-def test_an_arm_cpu_with_dot_products_runs_every_call_on_the_integer_kernel(monkeypatch):
-    """64-bit ARM runs the portable level; where the CPU has the dot-product extension that build
-    carries int8_act_gemm's sdot tiles (kernel_isa names "neondot"), and the plan takes them at
-    every call size, as the AVX2 plan does. Without the extension: the dense weights."""
+def test_a_64_bit_arm_cpu_runs_every_call_on_the_integer_kernel(monkeypatch):
+    """64-bit ARM runs the portable level, whose int8_act_gemm has NEON tiles: on the dot-product
+    extension where the build has it (kernel_isa names "neondot"), on widening multiplies on an
+    Armv8.0 core; the plan takes them at every call size either way, as the AVX2 plan does.
+    32-bit ARM (NEON, but no such tiles) and an x86 portable build keep the dense weights."""
     monkeypatch.delenv("GEMEL_CPU_ISA", raising=False)
     arm = cpu(frozenset({"fp", "asimd", "asimddp"}), "aarch64")
     monkeypatch.setattr(kernel_plan, "cpu_info", lambda: arm)
@@ -212,7 +224,12 @@ def test_an_arm_cpu_with_dot_products_runs_every_call_on_the_integer_kernel(monk
     assert plan.rows_table() == [("1+", "int8_act_gemm (portable + Arm dot products: integer dot products, x as int8)")]
     monkeypatch.setattr(cpu_kernels, "built_features", lambda: ["neon"])  # an Armv8.0 core: no sdot
     plain, _ = _plan(torch.float32)
-    assert not plain.arm_dot and plain.weight_quant == "none" and not plain.int8_activations
+    assert plain.arm_neon and not plain.arm_dot and plain.int8_activations and plain.int8_act_max_rows is None
+    assert plain.weight_quant == "checkpoint" and plain.kv_dtype == torch.float16
+    assert plain.rows_table() == [("1+", "int8_act_gemm (portable + Arm NEON: integer dot products, x as int8)")]
+    monkeypatch.setattr(kernel_plan, "cpu_info", lambda: cpu(frozenset({"neon", "vfpv4"}), "armv7l"))
+    arm32, _ = _plan(torch.float32)
+    assert not arm32.arm_neon and arm32.weight_quant == "none" and not arm32.int8_activations
 
 
 def test_bf16_plans_per_level():

@@ -50,9 +50,9 @@
 #if defined(__AVXVNNI__)
 #define GEMEL_AVX_VNNI 1  // 256-bit vpdpbusd without AVX-512 (Intel Alder Lake and later, Sierra Forest)
 #endif
-#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#elif defined(__aarch64__)
 #include "int8_act_neon.h"
-#define GEMEL_NEON_DOT 1  // 64-bit ARM with sdot: gemel::neon's tiles
+#define GEMEL_NEON 1  // 64-bit ARM: gemel::neon's tiles (sdot where the build has dot products)
 #endif
 
 namespace {
@@ -781,7 +781,7 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 #elif defined(GEMEL_AVX2)
   gemm_blocks_avx2<kNibbles, kIntZero, kSub16, kFive, kSix, S, T>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                      in_features, out_features, b0, b1);
-#elif defined(GEMEL_NEON_DOT)
+#elif defined(GEMEL_NEON)
   // 6-bit codes (kSix) are bytes there like any others (u - 128 and back, exactly).
   gemel::neon::gemm_blocks<kNibbles, kIntZero, kSub16, kFive>(codes, unit, code_sum, zero_sum, w, d, low, y, rows,
                                                              in_features, out_features, b0, b1);

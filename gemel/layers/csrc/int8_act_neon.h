@@ -1,20 +1,25 @@
-// int8_act_gemm's tiles for 64-bit ARM CPUs with the dot-product instructions (Armv8.2's
-// DotProd: Neoverse N1 and later, Graviton 2-4, Ampere Altra, Apple M1 and later, Cortex-A76
-// and later). Without them the portable build multiplies a code at a time, so slowly that the
-// kernel plan keeps such CPUs on float32 weights; with them each `sdot` takes 16 signed byte
-// products and sums each four into a 32-bit lane, which is exactly the weight layout
-// (gemel.layers.linear.pack_group_codes): bytes 4i..4i+3 of each 64-byte vector of a block's
-// group are output row i's codes 4j..4j+3, so 16 bytes of a vector are four outputs' codes, and
-// one `sdot` by lane j % 4 of x's 16 codes multiplies all four.
+// int8_act_gemm's tiles for 64-bit ARM CPUs. The weight layout
+// (gemel.layers.linear.pack_group_codes) is the dot-product instructions' shape: bytes 4i..4i+3
+// of each 64-byte vector of a block's group are output row i's codes 4j..4j+3, so 16 bytes of a
+// vector are four outputs' codes, and one step multiplies all four by four of x's codes.
 //
-// The integer sums are those of the portable loops (u times x, u the stored unsigned code), so
+// - With Armv8.2's dot products (DotProd: Neoverse N1 and later, Graviton 2-4, Ampere Altra,
+//   Apple M1 and later, Cortex-A76 and later) a step is one `sdot` by lane j % 4 of x's 16
+//   codes: 16 signed byte products, each four summed into a 32-bit lane.
+// - Without them (Armv8.0: Cortex-A53/A72, the Raspberry Pi 4, Graviton 1) a step is two
+//   widening multiplies (`smull`/`smlal`) of the four outputs' codes by x's four codes repeated,
+//   one int16 product a lane, and pairwise adds widen those to one 32-bit sum an output. The
+//   portable loops there multiply a code at a time; these tiles read the file's 4-bit codes
+//   instead of float32 weights (an eighth of the bytes a decode step streams).
+//
+// Both give the integer sums of the portable loops (u times x, u the stored unsigned code), so
 // only the float epilogue's order of additions differs. 4-, 5- and 6-bit codes are at most 63
 // and fit a signed byte as they are; 8-bit codes go in as u - 128 (an exclusive-or) and get 128
 // times the sum of x's codes back.
 //
 // Torch-free on purpose (the layout's constants are int8_act_layout.h's):
-// tests/csrc/neon_tiles_check.cpp compiles this header for ARM and runs it under an emulator
-// against the layout written out, since the test machines are x86.
+// tests/csrc/neon_tiles_check.cpp compiles this header for ARM, with and without dot products,
+// and runs it under an emulator against the layout written out, since the test machines are x86.
 #pragma once
 
 #include <arm_neon.h>
@@ -47,6 +52,54 @@ inline float32x4_t load4(const S* p) {
 
 // Sum of 16 signed bytes, times 128: what an 8-bit code's u - 128 takes off a dot product.
 inline int32x4_t times128_sum(int8x16_t x) { return vdupq_n_s32(128 * static_cast<int32_t>(vaddlvq_s8(x))); }
+
+#if defined(__ARM_FEATURE_DOTPROD)
+// One output's sum of code times x a lane, for four outputs, over the steps of a group.
+template <bool kNibbles>
+struct FourSums {
+  int32x4_t sums = vdupq_n_s32(0);
+  template <int lane>
+  void add(int8x16_t codes, int8x16_t x) { sums = vdotq_laneq_s32(sums, codes, x, lane); }
+  int32x4_t total() const { return sums; }
+};
+#else
+// The same sums without `sdot`: x's codes 4 lane .. 4 lane + 3 repeated across the vector, so
+// that each widening multiply puts code times x in an int16 lane (outputs 0-1 in `first`, 2-3 in
+// `second`, four lanes an output). 4- and 5-bit codes (at most 31, |x| at most 128) keep the four
+// steps' products in int16 (at most 4 * 31 * 128) and widen once; 8-bit ones (u - 128) widen every
+// step into pairs of int32, since two such products may already pass int16's range.
+template <bool kNibbles>
+struct FourSums;
+
+template <int lane>
+inline int8x16_t repeat_four(int8x16_t x) {
+  return vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), lane));
+}
+
+template <>
+struct FourSums<true> {
+  int16x8_t first = vdupq_n_s16(0), second = vdupq_n_s16(0);
+  template <int lane>
+  void add(int8x16_t codes, int8x16_t x) {
+    const int8x16_t xs = repeat_four<lane>(x);
+    first = vmlal_s8(first, vget_low_s8(codes), vget_low_s8(xs));
+    second = vmlal_high_s8(second, codes, xs);
+  }
+  int32x4_t total() const { return vpaddq_s32(vpaddlq_s16(first), vpaddlq_s16(second)); }
+};
+
+template <>
+struct FourSums<false> {
+  int32x4_t first = vdupq_n_s32(0), second = vdupq_n_s32(0);  // two partial sums an output
+  template <int lane>
+  void add(int8x16_t codes, int8x16_t x) {
+    const int8x16_t xs = repeat_four<lane>(x);
+    first = vpadalq_s16(first, vmull_s8(vget_low_s8(codes), vget_low_s8(xs)));
+    second = vpadalq_s16(second, vmull_high_s8(codes, xs));
+  }
+  int32x4_t total() const { return vpaddq_s32(first, second); }
+};
+#endif
 
 // Vector jj's and vector jj + 4's codes of one quarter (four outputs) of a block's group as
 // signed bytes whose dot products are the codes' own (8-bit ones less 128). `wq` points at the
@@ -90,13 +143,11 @@ void quarter_tile(const int8_t* codes, const float* unit, const float* code_sum,
     const uint8_t* wg = w + (b * groups + g) * group_bytes;
     const uint8_t* wq = wg + 16 * q;
     int8x16_t x0[R], x1[R];
-    int32x4_t lo[R], hi[R];
+    FourSums<kNibbles> lo_sums[R], hi_sums[R];
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = codes + (m0 + r) * in_features + g * kGroup;
       x0[r] = vld1q_s8(xr);
       x1[r] = vld1q_s8(xr + 16);
-      lo[r] = vdupq_n_s32(0);
-      hi[r] = vdupq_n_s32(0);
     }
     uint8x16_t fifth = vdupq_n_u8(0);
     if constexpr (kFive) fifth = vld1q_u8(wg + kNibbleBlockBytes + 16 * q);
@@ -105,8 +156,8 @@ void quarter_tile(const int8_t* codes, const float* unit, const float* code_sum,
       int8x16_t first, second;
       quarter_codes<jj, kNibbles, kFive>(wq, fifth, first, second);
       for (int r = 0; r < R; ++r) {
-        lo[r] = vdotq_laneq_s32(lo[r], first, x0[r], jj);
-        hi[r] = vdotq_laneq_s32(hi[r], second, x1[r], jj);
+        lo_sums[r].template add<jj>(first, x0[r]);
+        hi_sums[r].template add<jj>(second, x1[r]);
       }
     };
     step(std::integral_constant<int, 0>{});
@@ -116,18 +167,19 @@ void quarter_tile(const int8_t* codes, const float* unit, const float* code_sum,
     const int64_t at = (b * groups + g) * scales + 4 * q;
     for (int r = 0; r < R; ++r) {
       const int64_t mg = (m0 + r) * groups + g;
+      int32x4_t lo = lo_sums[r].total(), hi = hi_sums[r].total();
       if constexpr (!kNibbles) {
-        lo[r] = vaddq_s32(lo[r], times128_sum(x0[r]));
-        hi[r] = vaddq_s32(hi[r], times128_sum(x1[r]));
+        lo = vaddq_s32(lo, times128_sum(x0[r]));
+        hi = vaddq_s32(hi, times128_sum(x1[r]));
       }
       const float32x4_t x_unit = vdupq_n_f32(unit[mg]);
       if constexpr (kSub16) {
-        const float32x4_t first = vcvtq_f32_s32(vsubq_s32(lo[r], vdupq_n_s32(zero_sum[2 * mg])));
-        const float32x4_t second = vcvtq_f32_s32(vsubq_s32(hi[r], vdupq_n_s32(zero_sum[2 * mg + 1])));
+        const float32x4_t first = vcvtq_f32_s32(vsubq_s32(lo, vdupq_n_s32(zero_sum[2 * mg])));
+        const float32x4_t second = vcvtq_f32_s32(vsubq_s32(hi, vdupq_n_s32(zero_sum[2 * mg + 1])));
         total[r] = vfmaq_f32(total[r], vmulq_f32(first, load4(d + at)), x_unit);
         total[r] = vfmaq_f32(total[r], vmulq_f32(second, load4(d + at + kBlockRows)), x_unit);
       } else {
-        int32x4_t dot = vaddq_s32(lo[r], hi[r]);
+        int32x4_t dot = vaddq_s32(lo, hi);
         if constexpr (kIntZero) dot = vsubq_s32(dot, vdupq_n_s32(zero_sum[mg]));
         total[r] = vfmaq_f32(total[r], vmulq_f32(vcvtq_f32_s32(dot), load4(d + at)), x_unit);
         if constexpr (!kIntZero) total[r] = vfmaq_f32(total[r], load4(low + at), vdupq_n_f32(code_sum[mg]));
