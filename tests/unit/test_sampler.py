@@ -190,6 +190,37 @@ def test_sampling_kernel_equals_the_rules_written_out():
             assert on_edge or on_top_p, (vocab, r, int(got[r]), want)
 
 
+def test_sampling_kernel_keeps_the_lightest_tokens_top_p_needs():
+    """Top-p over a long vocabulary where thousands of tokens are heavy enough to matter (the
+    kernel drops the octaves of weight below the crossing before ordering the rest): a draw in
+    the middle of each kept token's share, the lightest ones (about the crossing) included, gives
+    that token, so none is lost and none of the cut ones came in between."""
+    _kernels()
+    g = torch.Generator().manual_seed(21)
+    vocab = 49_152
+    cases = [(torch.randn(vocab, generator=g) * scale, temperature, top_p)
+             for scale, temperature in ((1.0, 1.0), (3.0, 0.7), (6.0, 1.0)) for top_p in (0.5, 0.9, 0.95, 0.99)]
+    checked = 0
+    for logits, temperature, top_p in cases:
+        w, before, order = _kept_weights(logits, temperature, vocab, top_p, 0.0)
+        kept = torch.nonzero(w > 0).view(-1)
+        crossing = len(kept) - 1  # in descending order: the last kept token, then the first cut
+        if abs(float(before[crossing]) - top_p) < 2e-6 or abs(float(before[crossing + 1]) - top_p) < 2e-6:
+            continue  # the crossing lies on top_p: either answer is right
+        checked += 1
+        total = float(w.sum())
+        ends = w.cumsum(0) / total
+        by_weight = kept[torch.argsort(w[kept])]  # lightest first
+        probe = torch.cat([by_weight[:40], by_weight[-10:], kept[torch.randperm(len(kept), generator=g)[:30]]]).unique()
+        probe = probe[w[probe] / total > 1e-7]
+        uniform = (ends[probe] - w[probe] / (2 * total)).double()
+        n = len(probe)
+        got = torch.ops.gemel.sample_rows(logits.repeat(n, 1), torch.full((n,), temperature), torch.full((n,), vocab),
+                                          torch.full((n,), top_p), torch.zeros(n), uniform)
+        assert got.tolist() == probe.tolist(), (temperature, top_p, len(kept))
+    assert checked >= 8
+
+
 def test_sampling_kernel_cuts_to_top_k_and_top_p_as_the_pytorch_path():
     """The kernel's floor from top-k and top-p keeps the tokens PyTorch's sort keeps: drawn
     many times, each row's set of tokens is the sorted path's."""
