@@ -221,6 +221,42 @@ def test_sampling_kernel_keeps_the_lightest_tokens_top_p_needs():
     assert checked >= 8
 
 
+def test_sampling_kernel_keeps_exactly_the_top_k():
+    """Top-k over long rows (the kernel looks only at the blocks of 64 logits whose largest reaches
+    the k-th largest of the blocks' largest): masked stretches, ties at the k-th value (all kept,
+    as vLLM keeps them), k of 1 to more than the masked rows' blocks; a draw in the middle of a
+    kept token's share gives that token."""
+    _kernels()
+    g = torch.Generator().manual_seed(23)
+    vocab = 131_072
+    checked = tied = 0
+    for k in (1, 40, 64, 1_000, 3_000):
+        for shape in ("plain", "masked", "ties"):
+            logits = torch.randn(vocab, generator=g) * 3
+            if shape == "masked":
+                logits[: vocab // 2] = float("-inf")
+                logits[vocab // 2 + 5_000 : vocab // 2 + 40_000] = float("-inf")
+            elif shape == "ties":
+                logits = (logits * 2).round() / 2  # a few dozen distinct values, so ties at the k-th
+            # every logit at or above the k-th largest, ties included; a high temperature keeps the shares wide
+            floor = logits[torch.isfinite(logits)].topk(k).values[-1]
+            w = torch.where(logits >= floor, torch.exp((logits.double() - logits.max()) / 50.0), torch.zeros(()))
+            kept = torch.nonzero(w > 0).view(-1)
+            assert len(kept) >= k
+            tied += len(kept) > k
+            total = float(w.sum())
+            ends = w.cumsum(0) / total
+            by_weight = kept[torch.argsort(w[kept])]
+            probe = torch.cat([by_weight[:30], by_weight[-10:], kept[torch.randperm(len(kept), generator=g)[:30]]]).unique()
+            uniform = (ends[probe] - w[probe] / (2 * total)).double()
+            n = len(probe)
+            got = torch.ops.gemel.sample_rows(logits.repeat(n, 1), torch.full((n,), 50.0), torch.full((n,), k),
+                                              torch.ones(n), torch.zeros(n), uniform)
+            assert got.tolist() == probe.tolist(), (k, shape, len(kept))
+            checked += 1
+    assert checked == 15 and tied >= 3
+
+
 def test_sampling_kernel_cuts_to_top_k_and_top_p_as_the_pytorch_path():
     """The kernel's floor from top-k and top-p keeps the tokens PyTorch's sort keeps: drawn
     many times, each row's set of tokens is the sorted path's."""

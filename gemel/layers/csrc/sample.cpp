@@ -87,23 +87,53 @@ int64_t first_max(const float* x, int64_t n, float peak) {
   return 0;
 }
 
-// The k-th largest finite logit of a row (k < its finite count), with a min-heap of the k
-// largest seen: most logits lose one comparison against its top.
-float kth_largest(const float* x, int64_t n, int64_t k) {
+// The k-th largest finite logit of a row (k < its finite count, else its smallest), and the
+// indices of the finite logits at or above it (ties included) in increasing order. The maxima of
+// blocks of 64 logits come first (a vectorised pass): at least k blocks reach the k-th largest
+// of them, so at least k logits do, and only the blocks that reach it can hold the answer or a
+// candidate. A min-heap of the k largest seen then goes over those blocks alone (on Gemma 3's
+// 262,144 logits and top_k 64, about a hundred blocks instead of every logit).
+float top_k_floor(const float* x, int64_t n, int64_t k, std::vector<int64_t>& at_or_above) {
+  constexpr float kLowest = std::numeric_limits<float>::lowest();
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<float> maxima(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i0 = b * kBlock, i1 = std::min(n, i0 + kBlock);
+    float m = kLowest;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = i0; i < i1; ++i) m = std::max(m, is_finite(x[i]) ? x[i] : kLowest);
+    maxima[b] = m;
+  }
+  float bound = kLowest;
+  if (blocks > k) {
+    std::vector<float> ranked(maxima);
+    std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), std::greater<float>());
+    bound = ranked[k - 1];
+  }
   std::vector<float> heap;
   heap.reserve(k);
-  for (int64_t i = 0; i < n; ++i) {
-    if (!is_finite(x[i])) continue;
-    if (static_cast<int64_t>(heap.size()) < k) {
-      heap.push_back(x[i]);
-      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-    } else if (x[i] > heap.front()) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
-      heap.back() = x[i];
-      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (maxima[b] < bound) continue;
+    for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
+      if (!is_finite(x[i])) continue;
+      if (static_cast<int64_t>(heap.size()) < k) {
+        heap.push_back(x[i]);
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      } else if (x[i] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = x[i];
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
     }
   }
-  return heap.empty() ? std::numeric_limits<float>::lowest() : heap.front();
+  const float floor = heap.empty() ? kLowest : heap.front();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (maxima[b] < floor) continue;
+    for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i)
+      if (x[i] >= floor && is_finite(x[i])) at_or_above.push_back(i);
+  }
+  return floor;
 }
 
 // A token of a row cut by top-k or top-p: its weight exp((logit - peak) / T), logit, index.
@@ -155,13 +185,12 @@ int64_t sample_cut_row(const float* x, int64_t n, float peak, float inv_temperat
   std::vector<Candidate> kept;
   double total = 0.0;  // of every token top-k keeps: what top_p is a share of
   if (top_k > 0 && top_k < n) {
-    const float floor = kth_largest(x, n, top_k);
+    std::vector<int64_t> at_or_above;
+    top_k_floor(x, n, top_k, at_or_above);
     std::vector<float> logits;
-    for (int64_t i = 0; i < n; ++i) {
-      if (x[i] >= floor && is_finite(x[i])) {
-        kept.push_back({0.f, x[i], i});
-        logits.push_back(x[i]);
-      }
+    for (const int64_t i : at_or_above) {
+      kept.push_back({0.f, x[i], i});
+      logits.push_back(x[i]);
     }
     std::vector<float> e(logits.size());
     chunk_weights(logits.data(), static_cast<int64_t>(logits.size()), peak, inv_temperature, 0.f, e.data());
