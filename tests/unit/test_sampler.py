@@ -190,6 +190,23 @@ def test_sampling_kernel_equals_the_rules_written_out():
             assert on_edge or on_top_p, (vocab, r, int(got[r]), want)
 
 
+def _draws_in_kept_shares(logits, w, temperature, top_k, top_p, g, lightest):
+    """sample_rows with a draw in the middle of the share of each probed kept token (w > 0: the
+    ``lightest`` lightest, the 10 heaviest, 30 at random, each holding over 1e-7 of the mass).
+    Returns (tokens drawn, tokens probed); equal when the kernel keeps exactly w's tokens."""
+    kept = torch.nonzero(w > 0).view(-1)
+    total = float(w.sum())
+    ends = w.cumsum(0) / total
+    by_weight = kept[torch.argsort(w[kept])]  # lightest first
+    probe = torch.cat([by_weight[:lightest], by_weight[-10:], kept[torch.randperm(len(kept), generator=g)[:30]]]).unique()
+    probe = probe[w[probe] / total > 1e-7]
+    uniform = (ends[probe] - w[probe] / (2 * total)).double()
+    n = len(probe)
+    got = torch.ops.gemel.sample_rows(logits.repeat(n, 1), torch.full((n,), temperature), torch.full((n,), top_k),
+                                      torch.full((n,), top_p), torch.zeros(n), uniform)
+    return got.tolist(), probe.tolist()
+
+
 def test_sampling_kernel_keeps_the_lightest_tokens_top_p_needs():
     """Top-p over a long vocabulary where thousands of tokens are heavy enough to matter (the
     kernel drops the octaves of weight below the crossing before ordering the rest): a draw in
@@ -208,16 +225,8 @@ def test_sampling_kernel_keeps_the_lightest_tokens_top_p_needs():
         if abs(float(before[crossing]) - top_p) < 2e-6 or abs(float(before[crossing + 1]) - top_p) < 2e-6:
             continue  # the crossing lies on top_p: either answer is right
         checked += 1
-        total = float(w.sum())
-        ends = w.cumsum(0) / total
-        by_weight = kept[torch.argsort(w[kept])]  # lightest first
-        probe = torch.cat([by_weight[:40], by_weight[-10:], kept[torch.randperm(len(kept), generator=g)[:30]]]).unique()
-        probe = probe[w[probe] / total > 1e-7]
-        uniform = (ends[probe] - w[probe] / (2 * total)).double()
-        n = len(probe)
-        got = torch.ops.gemel.sample_rows(logits.repeat(n, 1), torch.full((n,), temperature), torch.full((n,), vocab),
-                                          torch.full((n,), top_p), torch.zeros(n), uniform)
-        assert got.tolist() == probe.tolist(), (temperature, top_p, len(kept))
+        got, probe = _draws_in_kept_shares(logits, w, temperature, vocab, top_p, g, lightest=40)
+        assert got == probe, (temperature, top_p, len(kept))
     assert checked >= 8
 
 
@@ -244,15 +253,8 @@ def test_sampling_kernel_keeps_exactly_the_top_k():
             kept = torch.nonzero(w > 0).view(-1)
             assert len(kept) >= k
             tied += len(kept) > k
-            total = float(w.sum())
-            ends = w.cumsum(0) / total
-            by_weight = kept[torch.argsort(w[kept])]
-            probe = torch.cat([by_weight[:30], by_weight[-10:], kept[torch.randperm(len(kept), generator=g)[:30]]]).unique()
-            uniform = (ends[probe] - w[probe] / (2 * total)).double()
-            n = len(probe)
-            got = torch.ops.gemel.sample_rows(logits.repeat(n, 1), torch.full((n,), 50.0), torch.full((n,), k),
-                                              torch.ones(n), torch.zeros(n), uniform)
-            assert got.tolist() == probe.tolist(), (k, shape, len(kept))
+            got, probe = _draws_in_kept_shares(logits, w, 50.0, k, 1.0, g, lightest=30)
+            assert got == probe, (k, shape, len(kept))
             checked += 1
     assert checked == 15 and tied >= 3
 

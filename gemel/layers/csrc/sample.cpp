@@ -87,13 +87,13 @@ int64_t first_max(const float* x, int64_t n, float peak) {
   return 0;
 }
 
-// The k-th largest finite logit of a row (k < its finite count, else its smallest), and the
-// indices of the finite logits at or above it (ties included) in increasing order. The maxima of
+// The indices, in increasing order, of a row's finite logits at or above its k-th largest finite
+// logit (ties included; every finite one where there are k or fewer). The maxima of
 // blocks of 64 logits come first (a vectorised pass): at least k blocks reach the k-th largest
 // of them, so at least k logits do, and only the blocks that reach it can hold the answer or a
 // candidate. A min-heap of the k largest seen then goes over those blocks alone (on Gemma 3's
 // 262,144 logits and top_k 64, about a hundred blocks instead of every logit).
-float top_k_floor(const float* x, int64_t n, int64_t k, std::vector<int64_t>& at_or_above) {
+std::vector<int64_t> top_k_candidates(const float* x, int64_t n, int64_t k) {
   constexpr float kLowest = std::numeric_limits<float>::lowest();
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -128,12 +128,13 @@ float top_k_floor(const float* x, int64_t n, int64_t k, std::vector<int64_t>& at
     }
   }
   const float floor = heap.empty() ? kLowest : heap.front();
+  std::vector<int64_t> at_or_above;
   for (int64_t b = 0; b < blocks; ++b) {
     if (maxima[b] < floor) continue;
     for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i)
       if (x[i] >= floor && is_finite(x[i])) at_or_above.push_back(i);
   }
-  return floor;
+  return at_or_above;
 }
 
 // A token of a row cut by top-k or top-p: its weight exp((logit - peak) / T), logit, index.
@@ -150,7 +151,8 @@ struct Candidate {
 // 0.9 keeps 345), and ordering them all had cost more than the rest of the row.
 void cut_below_crossing_octave(std::vector<Candidate>& kept, double need) {
   constexpr int kOctaves = 64;  // 2^-63 and lighter share the last
-  if (kept.size() < 64) return;
+  constexpr size_t kWorthCutting = 64;  // fewer candidates are ordered as fast as counted
+  if (kept.size() < kWorthCutting) return;
   std::array<double, kOctaves> mass{};
   for (const Candidate& c : kept) {
     uint32_t bits;
@@ -185,10 +187,8 @@ int64_t sample_cut_row(const float* x, int64_t n, float peak, float inv_temperat
   std::vector<Candidate> kept;
   double total = 0.0;  // of every token top-k keeps: what top_p is a share of
   if (top_k > 0 && top_k < n) {
-    std::vector<int64_t> at_or_above;
-    top_k_floor(x, n, top_k, at_or_above);
     std::vector<float> logits;
-    for (const int64_t i : at_or_above) {
+    for (const int64_t i : top_k_candidates(x, n, top_k)) {
       kept.push_back({0.f, x[i], i});
       logits.push_back(x[i]);
     }
