@@ -16,7 +16,7 @@ from gemel.engine.compiled_forward import CompiledForward
 from gemel.engine.scheduler import SchedulerOutput
 from gemel.engine.sequence import Sequence
 from gemel.layers import cpu_kernels, kv_cache
-from gemel.layers.attention import AttentionMetadata, build_group
+from gemel.layers.attention import AttentionMetadata, build_group, context_slot_array
 from gemel.engine.spec_decode import verify
 from gemel.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from gemel.models.config import ModelArchConfig
@@ -126,22 +126,33 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slot_mapping: list[np.ndarray] = []
-        decode, prefill = ([], [], []), ([], [], [])
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        decode = ([], [], [], [])  # rows, positions, block tables, context lengths
+        prefill = ([], [], [])  # rows, positions, context slots
         logits_rows: list[int] = []
+        block_size = self.block_size
         row = 0
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
             end = start + n
             tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
             input_ids.extend(tokens[start:end])
-            positions.append(np.arange(start, end))
-            slot_mapping.append(self._slots(seq, start, end))
-            group = decode if n == 1 else prefill
-            group[0].append(range(row, row + n))
-            group[1].append(list(range(start, end)))
-            group[2].append(self._slots(seq, 0, end))
+            if n == 1:  # a decode: its one slot and its context from the block table, no arrays
+                table = seq.block_table
+                positions.append(start)
+                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+                decode[0].append(range(row, row + 1))
+                decode[1].append([start])
+                decode[2].append(table)
+                decode[3].append(end)
+            else:
+                positions.extend(range(start, end))
+                context = self._slots(seq, 0, end)
+                slot_mapping.extend(context[start:].tolist())
+                prefill[0].append(range(row, row + n))
+                prefill[1].append(list(range(start, end)))
+                prefill[2].append(context)
             row += n
             if seq.spec_token_ids:  # logits at the last real token and at every proposal
                 logits_rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
@@ -149,19 +160,19 @@ class ModelRunner:
                 logits_rows.append(row - 1)
         kernel = self._kernel_decodes()
         groups = [self._decode_group([decode[0][i] for i in b], [decode[1][i] for i in b], [decode[2][i] for i in b],
-                                     kernel)
-                  for b in self._decode_batches([len(slots) for slots in decode[2]], kernel)]
+                                     [decode[3][i] for i in b], kernel)
+                  for b in self._decode_batches(decode[3], kernel)]
         if prefill[0]:
             groups.append(build_group(prefill[0], prefill[1], prefill[2], self.sliding_window, self.device))
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(self.device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             groups=groups,
             num_tokens=row,
             decode_kernel=self.decode_kernel,
             fused_ops=self.fused_ops,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, logits_rows
 
     @staticmethod
@@ -177,20 +188,23 @@ class ModelRunner:
             return [list(range(len(context_lens)))] if context_lens else []
         return split_by_context(context_lens)
 
-    def _decode_group(self, rows: list[range], positions: list[list[int]], slots: list[np.ndarray], kernel: bool):
+    def _decode_group(self, rows: list[range], positions: list[list[int]], block_tables: list[list[int]],
+                      context_lens: list[int], kernel: bool):
         """A decode group; cascaded when its sequences share a long enough context prefix and
         the C++ kernel does not attend them. That kernel reads each sequence's context where it
         lies in the paged cache, so a shared prefix's blocks come from the CPU's caches for every
         sequence after the first, and the step keeps the layers' one C++ call; the cascaded form
         gathers the prefix and runs PyTorch matmuls. 32 decodes behind a shared prefix of 1,000
         to 6,000 tokens took 1.3-2x longer a step cascaded, on every plan tried."""
+        slots = context_slot_array(block_tables, context_lens, self.block_size)
         shared = 0
-        if self.sliding_window is None and len(slots) >= 2 and not kernel:
-            shared = shared_prefix_len(slots, self.block_size)
+        if self.sliding_window is None and len(rows) >= 2 and not kernel:
+            shared = shared_prefix_len([s[:n] for s, n in zip(slots, context_lens)], self.block_size)
         if shared >= CASCADE_MIN_SHARED_TOKENS:
-            return build_group(rows, positions, [s[shared:] for s in slots], None, self.device,
-                               shared_slots=slots[0][:shared].tolist())
-        return build_group(rows, positions, slots, self.sliding_window, self.device, masks=not kernel)
+            return build_group(rows, positions, [s[shared:n] for s, n in zip(slots, context_lens)], None, self.device,
+                               shared_slots=slots[0, :shared].tolist())
+        return build_group(rows, positions, slots, self.sliding_window, self.device, masks=not kernel,
+                           context_lens=np.asarray(context_lens, dtype=np.int64))
 
     def _kernel_decodes(self) -> bool:
         """Whether the C++ kernel attends this runner's decodes (no masks needed then)."""

@@ -65,11 +65,12 @@ class AttentionMetadata:
 def build_group(
     seq_rows: list[range],
     query_positions: list[list[int]],
-    context_slots: list[list[int]],
+    context_slots: list[list[int]] | list[np.ndarray] | np.ndarray,
     sliding_window: int | None,
     device: torch.device,
     shared_slots: list[int] | None = None,
     masks: bool = True,
+    context_lens: np.ndarray | None = None,
 ) -> AttentionGroup:
     """Index tensors for sequences attended with one padded SDPA call.
 
@@ -78,26 +79,38 @@ def build_group(
     with ``shared_slots`` (decodes without a sliding window only), of the positions after
     that shared prefix. ``masks=False``, for decodes that the C++ kernel attends (it reads
     the context lengths and the window): no masks nor biases, some ten tensor ops a step.
+    With ``context_lens``, ``context_slots`` is already the padded [B, max_ctx] array of
+    :func:`context_slot_array`, taken as it is.
     """
     batch = len(seq_rows)
-    max_q = max(len(r) for r in seq_rows)
-    max_ctx = max(len(c) for c in context_slots)
-    # Filled in numpy, a row at a time, and handed to torch once: a tensor per row costs
-    # microseconds each, which at batch 32 added up to half a millisecond a step.
-    query_index_np = np.zeros((batch, max_q), dtype=np.int64)
-    kv_slots_np = np.zeros((batch, max_ctx), dtype=np.int64)
-    q_pos_np = np.full((batch, max_q), -1, dtype=np.int64)
-    ctx_len_np = np.empty(batch, dtype=np.int64)
-    valid_rows: list[int] = []
-    token_rows: list[int] = []
-    for b, (rows, pos, slots) in enumerate(zip(seq_rows, query_positions, context_slots)):
-        n = len(rows)
-        query_index_np[b, :n] = rows
-        q_pos_np[b, :n] = pos
-        kv_slots_np[b, : len(slots)] = slots
-        ctx_len_np[b] = len(slots)
-        valid_rows.extend(range(b * max_q, b * max_q + n))
-        token_rows.extend(rows)
+    query_lens = [len(r) for r in seq_rows]
+    max_q = max(query_lens)
+    # Filled in numpy and handed to torch once: a tensor per row costs microseconds each,
+    # which at batch 32 added up to half a millisecond a step.
+    if context_lens is None:
+        ctx_len_np = np.fromiter((len(c) for c in context_slots), dtype=np.int64, count=batch)
+        kv_slots_np = np.zeros((batch, int(ctx_len_np.max())), dtype=np.int64)
+        for b, slots in enumerate(context_slots):
+            kv_slots_np[b, : len(slots)] = slots
+    else:
+        ctx_len_np = np.asarray(context_lens, dtype=np.int64)
+        kv_slots_np = np.asarray(context_slots, dtype=np.int64)
+    max_ctx = kv_slots_np.shape[1]
+    if min(query_lens) == max_q == 1:  # decodes: one query row each, no padding
+        token_rows = [r.start for r in seq_rows]
+        query_index_np = np.asarray(token_rows, dtype=np.int64).reshape(batch, 1)
+        q_pos_np = np.asarray([p[0] for p in query_positions], dtype=np.int64).reshape(batch, 1)
+        valid_rows = list(range(batch))
+    else:
+        query_index_np = np.zeros((batch, max_q), dtype=np.int64)
+        q_pos_np = np.full((batch, max_q), -1, dtype=np.int64)
+        valid_rows, token_rows = [], []
+        for b, (rows, pos) in enumerate(zip(seq_rows, query_positions)):
+            n = len(rows)
+            query_index_np[b, :n] = rows
+            q_pos_np[b, :n] = pos
+            valid_rows.extend(range(b * max_q, b * max_q + n))
+            token_rows.extend(rows)
     rows_np = np.asarray(token_rows, dtype=np.int64)
     consecutive = rows_np.size > 0 and bool((np.diff(rows_np) == 1).all())
     query_index, kv_slots = torch.from_numpy(query_index_np), torch.from_numpy(kv_slots_np)
@@ -137,6 +150,29 @@ def build_group(
         token_context_lens=None if is_decode else (q_pos.view(-1)[valid_rows] + 1).to(device),
         token_slice=(int(rows_np[0]), int(rows_np.size)) if consecutive else None,
     )
+
+
+def context_slot_array(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> np.ndarray:
+    """[B, max(context_lens)] int64: the cache slot of each of sequence b's positions 0..len-1
+    (zero past its length), from the block tables, in a few numpy operations for the whole
+    batch. Done a sequence at a time, from each position, it was most of a decode step's input
+    preparation: 0.85 ms for 32 sequences of 2,000 tokens."""
+    offsets = np.arange(block_size)
+    if len(block_tables) == 1:  # one sequence (batch-1 decoding): no padding to clear
+        length = int(context_lens[0])
+        table = np.asarray(block_tables[0][: (length + block_size - 1) // block_size], dtype=np.int64)
+        return (table[:, None] * block_size + offsets).reshape(1, -1)[:, :length]
+    lens = np.asarray(context_lens, dtype=np.int64)
+    blocks = (lens + block_size - 1) // block_size
+    width = int(blocks.max())
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for b, (blocks_of_b, used) in enumerate(zip(block_tables, blocks.tolist())):
+        table[b, :used] = blocks_of_b[:used]
+    longest = int(lens.max())
+    slots = (table[:, :, None] * block_size + offsets).reshape(len(block_tables), -1)
+    slots = np.ascontiguousarray(slots[:, :longest])
+    slots[np.arange(longest) >= lens[:, None]] = 0
+    return slots
 
 
 def _sequence_of_each_token(seq_rows: list[range]) -> torch.Tensor:

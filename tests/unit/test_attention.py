@@ -12,7 +12,7 @@ import torch
 
 from gemel.engine.model_runner import shared_prefix_len
 from gemel.layers import cpu_kernels
-from gemel.layers.attention import AttentionMetadata, build_group, paged_attention
+from gemel.layers.attention import AttentionMetadata, build_group, context_slot_array, paged_attention
 from gemel.layers.kv_cache import quantize_rows
 
 
@@ -173,6 +173,33 @@ def test_decode_queries_read_in_place_only_when_consecutive():
     # prefill groups: a slice when their token rows are consecutive (after the step's decodes)
     assert build_group([range(3, 5), range(5, 8)], [[0, 1], [0, 1, 2]], [[0, 1], [2, 3, 4]], None, cpu).token_slice == (3, 5)
     assert build_group([range(0, 2), range(3, 5)], [[0, 1], [0, 1]], [[0, 1], [2, 3]], None, cpu).token_slice is None
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("lengths", [[1], [37], [16, 1, 33, 32], [5, 5, 5], [200, 3, 64, 65, 129]])
+def test_context_slot_array_is_each_position_looked_up_in_its_block_table(block_size, lengths):
+    """The batch's context slots from its block tables in one array: position p of sequence b
+    at block_tables[b][p // block_size] * block_size + p % block_size, zero past b's length
+    (block tables may hold more blocks than the context uses); a decode group built from it
+    is the group built from each sequence's list of slots."""
+    rng = np.random.default_rng(len(lengths) * 100 + block_size)
+    tables = [[int(b) for b in rng.permutation(1000)[: (n + block_size - 1) // block_size + int(rng.integers(0, 3))]]
+              for n in lengths]
+    slots = context_slot_array(tables, lengths, block_size)
+    written_out = [[t[p // block_size] * block_size + p % block_size for p in range(n)] for t, n in zip(tables, lengths)]
+    assert slots.shape == (len(lengths), max(lengths)) and slots.dtype == np.int64 and slots.flags.c_contiguous
+    for row, expected in zip(slots.tolist(), written_out):
+        assert row == expected + [0] * (max(lengths) - len(expected))
+    cpu = torch.device("cpu")
+    rows, positions = [range(b, b + 1) for b in range(len(lengths))], [[n - 1] for n in lengths]
+    for masks in (True, False):
+        batched = build_group(rows, positions, slots, 8, cpu, masks=masks, context_lens=np.asarray(lengths))
+        listed = build_group(rows, positions, written_out, 8, cpu, masks=masks)
+        for field in ("query_index", "valid_rows", "token_rows", "kv_slots", "mask", "sliding_mask", "bias",
+                      "sliding_bias", "context_lens"):
+            a, b = getattr(batched, field), getattr(listed, field)
+            assert (a is None and b is None) or torch.equal(a, b), field
+        assert batched.token_slice == listed.token_slice == (0, len(lengths))
 
 
 @pytest.mark.parametrize("kv", ["model", "int8"])
