@@ -41,6 +41,18 @@ def test_preemption_keeps_outputs_identical(tiny_llama_dir, llm):
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
+def test_preemption_keeps_seeded_samples_identical(tiny_llama_dir, llm):
+    """Seeded sampling with each request's own settings through preemption: sequences leave
+    the batch and come back in other company, and each samples as it does unpreempted."""
+    params = [SamplingParams(temperature=(0.6, 1.0, 1.4)[i % 3], top_k=(0, 8)[i % 2], max_tokens=24, seed=100 + i,
+                             ignore_eos=True) for i in range(len(MIXED))]
+    reference = _tokens(llm.generate(prompt_token_ids=MIXED, sampling_params=params))
+    small = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=40)
+    outs = small.generate(prompt_token_ids=MIXED, sampling_params=params)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    assert _tokens(outs) == reference
+
+
 def test_chunked_prefill_matches_whole_prefill(tiny_llama_dir, llm):
     reference = _tokens(llm.generate(prompt_token_ids=MIXED[-4:], sampling_params=GREEDY))
     chunked = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=512, max_num_batched_tokens=7)
@@ -105,6 +117,74 @@ def test_seeded_sampling_is_batch_independent(llm):
     assert batch[4].outputs[0].token_ids == alone
     again = llm.generate(prompt_token_ids=[MIXED[4]], sampling_params=params)[0].outputs[0].token_ids
     assert again == alone
+
+
+def test_sampling_batches_follow_the_batch_as_members_come_and_go(llm, monkeypatch):
+    """A step samples with its own sequences' settings while the batch changes under it
+    (members joining after others have decoded a while and finishing at different steps, one
+    with penalties), though a batch is kept while the same sequences sample: each seeded
+    output is the one it gives alone."""
+    from gemel.engine.model_runner import ModelRunner
+
+    params = [
+        SamplingParams(temperature=0.5, top_k=5, max_tokens=6, seed=1, ignore_eos=True),
+        SamplingParams(temperature=1.5, max_tokens=14, seed=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, max_tokens=9, seed=3, ignore_eos=True, presence_penalty=0.7),
+        SamplingParams(temperature=0.9, min_p=0.05, max_tokens=11, seed=4, ignore_eos=True),
+    ]
+    prompts = MIXED[1:5]
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].outputs[0].token_ids
+             for p, sp in zip(prompts, params)]
+    built = ModelRunner._sampling_batch
+    batches = []
+
+    def recorded(self, seqs):
+        batch = built(self, seqs)
+        assert batch.temperature.tolist() == pytest.approx([s.params.temperature for s in seqs])
+        assert batch.top_p.tolist() == pytest.approx([s.params.top_p for s in seqs])
+        batches.append(batch)
+        return batch
+
+    monkeypatch.setattr(ModelRunner, "_sampling_batch", recorded)
+    engine, tokens = llm.engine, {}
+    joins = {0: [1, 3], 4: [0], 7: [2]}  # step -> the requests that arrive before it
+    step = 0
+    while step in joins or step < max(joins) or engine.has_unfinished_requests():
+        for i in joins.get(step, []):
+            engine.add_request(f"joins-{i}", None, params[i], prompt_token_ids=prompts[i])
+        for out in engine.step():
+            if out.finished:
+                tokens[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+        step += 1
+    assert [tokens[i] for i in range(4)] == alone
+    assert len({id(b) for b in batches}) < len(batches)  # kept across steps of the same members
+
+
+def test_a_kept_sampling_batch_is_for_the_same_sequences_only(llm):
+    """The runner keeps a step's sampling batch for the next step of the same sequences in the
+    same order, builds a new one for any other company (same size included), after a release,
+    and every time where penalties make it depend on the tokens so far."""
+    from gemel.engine.sequence import Sequence
+
+    runner = llm.engine.core.runner
+    a, b, c = (Sequence(f"kept-{t}", [5, 6, 7], SamplingParams(temperature=t, top_p=p, seed=s))
+               for t, p, s in ((0.5, 0.9, 1), (0.8, 1.0, 2), (1.3, 0.7, 3)))
+    first = runner._sampling_batch([a, b])
+    assert runner._sampling_batch([a, b]) is first
+    for company in ([a, c], [b, a], [a], [a, b, c]):
+        batch = runner._sampling_batch(company)
+        assert batch is not first
+        assert batch.temperature.tolist() == pytest.approx([s.params.temperature for s in company])
+        assert batch.top_p.tolist() == pytest.approx([s.params.top_p for s in company])
+        assert batch.generators == [runner.generators[s.seq_id] for s in company]
+    kept = runner._sampling_batch([a, b, c])
+    assert runner._sampling_batch([a, b, c]) is kept
+    runner.release(b.seq_id)
+    assert runner._sampling_batch([a, b, c]) is not kept
+    penalised = Sequence("kept-penalised", [5, 6, 7], SamplingParams(temperature=1.0, presence_penalty=0.5))
+    assert runner._sampling_batch([a, penalised]) is not runner._sampling_batch([a, penalised])
+    for s in (a, b, c, penalised):
+        runner.release(s.seq_id)
 
 
 def test_n_candidates_seeded_and_reproducible(llm):
