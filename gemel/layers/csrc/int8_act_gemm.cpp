@@ -38,6 +38,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -836,10 +837,29 @@ void gemm_blocks(const int8_t* codes, const float* unit, const float* code_sum, 
 // small.
 constexpr int64_t kScratchRows = 64;
 
+// Room for n values that is not cleared when it grows (std::vector's resize zeroes): every
+// value is written before it is read. Clearing a prefill chunk's rounded x (4,096 rows x
+// 1,536 inputs for down: 6 MB a call) was 2.6% of a prefill's samples.
+template <typename T>
+class Uncleared {
+ public:
+  void resize(int64_t n) {
+    if (n > capacity_) {
+      values_.reset(new T[n]);  // default-initialised: left as the allocator gives it
+      capacity_ = n;
+    }
+  }
+  T* data() { return values_.get(); }
+
+ private:
+  std::unique_ptr<T[]> values_;
+  int64_t capacity_ = 0;
+};
+
 struct QuantizedRows {
-  std::vector<int8_t> codes;
-  std::vector<float> unit, code_sum;
-  std::vector<int32_t> zero_sum;
+  Uncleared<int8_t> codes;
+  Uncleared<float> unit, code_sum;
+  Uncleared<int32_t> zero_sum;
 
   void resize(int64_t rows, int64_t in_features, bool zero_point, bool halves) {
     const int64_t groups = in_features / kGroup;
