@@ -123,11 +123,6 @@ class ModelRunner:
         self._last_sampling: tuple[list[Sequence], SamplingBatch] | None = None
 
     # -- input preparation ------------------------------------------------------------
-    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        pos = np.arange(start, end)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
@@ -152,7 +147,7 @@ class ModelRunner:
                 decode[3].append(end)
             else:
                 positions.extend(range(start, end))
-                context = self._slots(seq, 0, end)
+                context = context_slot_array([seq.block_table], [end], block_size)[0]
                 slot_mapping.extend(context[start:].tolist())
                 prefill[0].append(range(row, row + n))
                 prefill[1].append(list(range(start, end)))
@@ -279,11 +274,12 @@ class ModelRunner:
         positions = [s.num_tokens - 1 for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         for _ in range(k):
-            slots = [self._slots(s, 0, p + 1) for s, p in zip(seqs, positions)]
+            lens = np.asarray(positions, dtype=np.int64) + 1
+            slots = context_slot_array([s.block_table for s in seqs], lens.tolist(), self.block_size)
             group = build_group([range(i, i + 1) for i in range(len(seqs))], [[p] for p in positions], slots,
-                                self.sliding_window, self.device)
+                                self.sliding_window, self.device, context_lens=lens)
             meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(np.array([sl[-1] for sl in slots])).to(self.device),
+                slot_mapping=torch.from_numpy(slots[np.arange(len(seqs)), lens - 1]).to(self.device),
                 groups=[group],
                 num_tokens=len(seqs),
                 decode_kernel=self.decode_kernel,

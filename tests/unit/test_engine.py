@@ -149,7 +149,7 @@ def test_sampling_batches_follow_the_batch_as_members_come_and_go(llm, monkeypat
     engine, tokens = llm.engine, {}
     joins = {0: [1, 3], 4: [0], 7: [2]}  # step -> the requests that arrive before it
     step = 0
-    while step in joins or step < max(joins) or engine.has_unfinished_requests():
+    while step <= max(joins) or engine.has_unfinished_requests():
         for i in joins.get(step, []):
             engine.add_request(f"joins-{i}", None, params[i], prompt_token_ids=prompts[i])
         for out in engine.step():
