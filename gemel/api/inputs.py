@@ -157,6 +157,8 @@ def openai_messages(messages: list[dict], model_id: str) -> list[dict]:
         if role not in ("system", "user", "assistant"):
             raise invalid(f"{where}.role: expected system, developer, user or assistant (got {role!r})", param=f"{where}.role")
         content = msg.get("content")
+        if content is None and role != "assistant":  # as OpenAI: only an assistant's turn may be null
+            raise invalid(f"{where}.content: expected a string or a list of parts, got null", param=f"{where}.content")
         if content is None:
             text = ""
         elif isinstance(content, str):

@@ -63,6 +63,14 @@ def test_openai_messages():
         openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}], "m")
     with pytest.raises(APIError, match="role"):
         openai_messages([{"role": "wizard", "content": "hi"}], "m")
+    # null or missing content: an error for system, developer and user turns, an empty assistant turn
+    for role in ("system", "developer", "user"):
+        for msg in ({"role": role, "content": None}, {"role": role}):
+            with pytest.raises(APIError, match=r"messages\[1\].content: .*null") as e:
+                openai_messages([{"role": "user", "content": "hi"}, msg], "m")
+            assert e.value.status == 400 and e.value.param == "messages[1].content"
+    assert openai_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "m")[1] == {
+        "role": "assistant", "content": ""}
 
 
 def test_error_shapes():
