@@ -123,9 +123,17 @@ def check_limits(body: SamplingFields) -> None:
 def _refuse(body: BaseModel) -> None:
     if body.logit_bias:
         raise invalid("logit_bias is not supported by gemel yet", param="logit_bias")
+    if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer
+        raise invalid("stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.functions or body.tool_choice not in (None, "none", "auto"):
             raise invalid("tools are not supported by gemel yet", param="tools")
+        extra = body.model_extra or {}
+        modalities = extra.get("modalities")
+        if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+            raise invalid("modalities: only text output is supported", param="modalities")
+        if extra.get("audio") is not None:
+            raise invalid("audio output is not supported", param="audio")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise invalid("suffix is not supported", param="suffix")

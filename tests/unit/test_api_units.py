@@ -73,6 +73,32 @@ def test_openai_messages():
         "role": "assistant", "content": ""}
 
 
+def test_openai_refuses_what_it_cannot_honour_by_name():
+    from gemel.api import openai_api
+
+    def refusal(**fields):
+        body = openai_api.ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+        try:
+            openai_api._refuse(body)
+        except APIError as e:
+            assert e.status == 400
+            return e.param
+        return None
+
+    assert refusal(stream_options={"include_usage": True}) == "stream_options"  # without stream
+    assert refusal(stream=True, stream_options={"include_usage": True}) is None
+    assert refusal(modalities=["text", "audio"]) == "modalities"
+    assert refusal(modalities="audio") == "modalities"
+    assert refusal(modalities=["text"]) is None
+    assert refusal(audio={"voice": "alloy", "format": "wav"}) == "audio"
+    assert refusal(logit_bias={"50256": -100}) == "logit_bias"
+    assert refusal(user="u", metadata={"a": "b"}, store=False) is None
+    completion = openai_api.CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream_options": {}})
+    with pytest.raises(APIError, match="stream_options"):
+        openai_api._refuse(completion)
+
+
 def test_error_shapes():
     err = APIError(429, "slow down", retry_after_s=3)
     g = error_body(err, "gemini")["error"]
