@@ -371,7 +371,9 @@ async def completions(body: CompletionRequest, request: Request, principal: Prin
                     raise invalid(f"prompt[{i}] must not be empty", param="prompt")
                 out.append(PromptInput(p, tokenizer.encode(p)))
             else:
-                if not p or any(t < 0 or t >= tokenizer.vocab_size for t in p):
+                if not p:
+                    raise invalid(f"prompt[{i}] must not be empty", param="prompt")
+                if any(t < 0 or t >= tokenizer.vocab_size for t in p):
                     raise invalid(f"prompt[{i}]: token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
                 out.append(PromptInput(tokenizer.decode(p), list(p)))
         return out

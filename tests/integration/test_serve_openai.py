@@ -149,11 +149,18 @@ def test_errors(openai_client, server):
         (dict(response_format={"type": "xml"}), "response_format.type"),
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
          "response_format.json_schema"),
+        (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
+        (dict(modalities=["text", "audio"]), "modalities"),
+        (dict(messages=[{"role": "user", "content": None}]), "messages[0].content"),
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            openai_client.chat.completions.create(model=MODEL, messages=MSGS, **kw)
+            openai_client.chat.completions.create(**{"model": MODEL, "messages": MSGS} | kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+    for prompt, words in (([[]], "must not be empty"), ([[7, -1]], "token ids"), ([[7], [10**9]], "prompt[1]")):
+        with pytest.raises(openai.BadRequestError) as e:
+            openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert words in e.value.message, (prompt, e.value.message)
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 9000}])
     assert "context" in e.value.message
