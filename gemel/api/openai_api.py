@@ -78,6 +78,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    modalities: Any = None  # refused unless ["text"]: the models write text only
+    audio: Any = None  # audio output: refused
 
 
 class CompletionRequest(SamplingFields):
@@ -128,11 +130,9 @@ def _refuse(body: BaseModel) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.functions or body.tool_choice not in (None, "none", "auto"):
             raise invalid("tools are not supported by gemel yet", param="tools")
-        extra = body.model_extra or {}
-        modalities = extra.get("modalities")
-        if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+        if body.modalities is not None and (not isinstance(body.modalities, list) or any(m != "text" for m in body.modalities)):
             raise invalid("modalities: only text output is supported", param="modalities")
-        if extra.get("audio") is not None:
+        if body.audio is not None:
             raise invalid("audio output is not supported", param="audio")
     if isinstance(body, CompletionRequest):
         if body.suffix:
@@ -366,13 +366,11 @@ async def completions(body: CompletionRequest, request: Request, principal: Prin
             raise invalid("prompt must not be empty", param="prompt")
         out = []
         for i, p in enumerate(raw):
+            if not p:  # an empty string or an empty list of token ids
+                raise invalid(f"prompt[{i}] must not be empty", param="prompt")
             if isinstance(p, str):
-                if not p:
-                    raise invalid(f"prompt[{i}] must not be empty", param="prompt")
                 out.append(PromptInput(p, tokenizer.encode(p)))
             else:
-                if not p:
-                    raise invalid(f"prompt[{i}] must not be empty", param="prompt")
                 if any(t < 0 or t >= tokenizer.vocab_size for t in p):
                     raise invalid(f"prompt[{i}]: token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
                 out.append(PromptInput(tokenizer.decode(p), list(p)))
